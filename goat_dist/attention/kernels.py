@@ -1,0 +1,105 @@
+"""Attention kernels behind one call: ``eager`` (explicit logits), ``sdpa`` (torch) and ``flash``
+(flash-attn 2, imported lazily so CPU machines never need it).
+
+Tensors are batch-first and head-split: q (B, L, H, D), k and v (B, S, H_kv, D), H a multiple of H_kv
+(GQA). Every kernel takes the softmax scale explicitly: GOAT folds its own scales into q.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "sdpa", "eager")
+
+
+@functools.cache
+def _flash_attn_func():
+    """The flash-attn function, or None. Decided by importing: a kernel-less install can have a spec."""
+    try:
+        from flash_attn import flash_attn_func
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return flash_attn_func
+
+
+def flash_available() -> bool:
+    return torch.cuda.is_available() and _flash_attn_func() is not None
+
+
+def resolve_backend(name: str) -> str:
+    """Map ``auto`` to the fastest usable kernel; reject unknown or unavailable ones clearly."""
+    if name not in BACKENDS:
+        raise ValueError(f"model.attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "flash" if flash_available() else "sdpa"
+    if name == "flash" and not flash_available():
+        why = "CUDA is not available" if not torch.cuda.is_available() else "flash-attn does not import"
+        raise RuntimeError(
+            f"model.attention_backend=flash was requested but {why}; install the GPU extra "
+            "(pip install 'goat-dist[gpu]') on a CUDA machine, or use attention_backend=sdpa"
+        )
+    return name
+
+
+def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    group = n_heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Readable reference: explicit fp32 logits ``scale * q.k + bias``, mask, softmax, weighted sum.
+
+    ``bias`` is (B, H or H_kv, L, S) and is added unscaled.
+    """
+    H = q.shape[2]
+    k, v = _expand_kv(k, H), _expand_kv(v, H)
+    logits = torch.einsum("blhd,bshd->bhls", q.float(), k.float()) * scale
+    if bias is not None:
+        logits = logits + (bias if bias.shape[1] == H else bias.repeat_interleave(H // bias.shape[1], dim=1))
+    if causal:
+        L, S = logits.shape[-2:]
+        future = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(S - L + 1)
+        logits = logits.masked_fill(future, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.einsum("bhls,bshd->blhd", probs, v.float()).to(v.dtype)
+
+
+def sdpa_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def flash_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    func = _flash_attn_func()
+    if func is None:
+        resolve_backend("flash")  # raises the explanatory error
+    return func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def attend(q, k, v, *, causal: bool, scale: float, backend: str) -> torch.Tensor:
+    """One attention call (no bias): dispatch on an already resolved backend name."""
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+    if backend == "flash":
+        return flash_attention(q, k, v, causal=causal, scale=scale)
+    if backend == "eager":
+        return eager_attention(q, k, v, causal=causal, scale=scale)
+    raise ValueError(f"unresolved attention backend {backend!r}")

@@ -1,0 +1,84 @@
+"""``GoatSelfAttention``: a standalone, batch-first GOAT self-attention layer.
+
+A drop-in for users of the reference ``goat.attention.GoatAttention`` (see ``from_reference``), built on
+the same prior and kernels as the distributed model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .goat import goat_attention, grouped_qkv_width, split_grouped_qkv
+from .kernels import resolve_backend
+from .prior import GoatPrior
+
+
+class GoatSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with a learned GOAT prior.
+
+    ``embed_dim / num_heads`` is the head dim D; ``2*pos_rank + 1`` of its lanes carry the prior, the
+    rest (``content_dim``) carry q/k content. Values keep all D lanes.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kv_heads: int | None = None,
+        pos_rank: int = 4,
+        abs_rank: int = 4,
+        *,
+        pos_base: float = 10_000.0,
+        abs_base: float = 10_000.0,
+        key_bias: bool = True,
+        training_seq_len: int = 2048,
+        prior_init: str = "seeded",
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        kv_heads = kv_heads or num_heads
+        if embed_dim % num_heads or num_heads % kv_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must divide by num_heads ({num_heads}) and num_heads by "
+                f"kv_heads ({kv_heads})"
+            )
+        if dropout:
+            raise NotImplementedError("attention dropout is not supported; GOAT pretraining uses none")
+        self.embed_dim, self.num_heads, self.kv_heads = embed_dim, num_heads, kv_heads
+        self.group = num_heads // kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.prior = GoatPrior(
+            kv_heads,
+            pos_rank,
+            abs_rank,
+            pos_base=pos_base,
+            abs_base=abs_base,
+            key_bias=key_bias,
+            training_seq_len=training_seq_len,
+            prior_init=prior_init,
+        )
+        self.content_dim = self.head_dim - self.prior.num_lanes
+        if self.content_dim < 1:
+            raise ValueError(
+                f"head_dim {self.head_dim} leaves no content lanes after {self.prior.num_lanes} prior "
+                "lanes; lower pos_rank or raise embed_dim/num_heads"
+            )
+        self.backend = resolve_backend(backend)
+        width = grouped_qkv_width(kv_heads, self.group, self.content_dim, self.head_dim)
+        self.qkv = nn.Linear(embed_dim, width, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, causal: bool = True
+    ) -> torch.Tensor:
+        """x (B, L, E) -> (B, L, E). ``position_ids`` (B, L) or (L,), default ``0..L-1``."""
+        B, L, _ = x.shape
+        if position_ids is None:
+            position_ids = torch.arange(L, device=x.device)
+        position_ids = position_ids.expand(B, L)
+        q, k, v = split_grouped_qkv(self.qkv(x), self.kv_heads, self.group, self.content_dim, self.head_dim)
+        out = goat_attention(q, k, v, self.prior, position_ids, causal=causal, backend=self.backend)
+        return self.out_proj(out.reshape(B, L, self.embed_dim))

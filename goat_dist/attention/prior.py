@@ -1,0 +1,218 @@
+"""The GOAT attention prior: learned log-prior K_ij = K_rel(t_i - t_j) + u(t_j).
+
+Parameters live per KV head (GQA groups share their KV head's prior). The module produces the prior in
+two equivalent forms:
+
+* ``lanes``: ``2R+1`` query and key lanes whose dot product equals ``K_ij`` (up to a per-row constant),
+  so one unmodified attention kernel computes content + prior with no L x L bias tensor;
+* ``log_prior``: the explicit ``(B, H_kv, L, L)`` matrix, for the eager reference kernel and for plots.
+
+Numerics follow the reference (``goat-attention`` 0.1.1) feature by feature, with one deliberate change:
+the causal recency term ``slope * t_j`` is stored as ``slope * (t_j - t0)`` where ``t0`` is the smallest
+position of the sequence. Softmax is invariant to that per-row constant, and the lane's magnitude no
+longer grows with the absolute position, which is what makes bf16 (and fp32) exact at position 131072.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al.), including the non-power-of-two interleaving rule."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_2(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n_heads - closest].tolist()
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.expm1(y.clamp(min=1e-6)))
+
+
+def geometric_frequencies(rank: int, base: float) -> torch.Tensor:
+    """``base ** (-r / (rank - 1))`` for r = 0..rank-1, in fp32 exactly as the reference computes it."""
+    idx = torch.arange(rank, dtype=torch.float32)
+    return base ** (-idx / max(rank - 1, 1))
+
+
+def fourier_features(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``[cos(w t), sin(w t)]`` (fp32) along a new last dim, for integer positions ``t`` of any shape.
+
+    Phases are formed in fp64: in fp32, ``w * t`` at t = 1e5 is already off by ~4e-3 rad. The cost is
+    O(L * R), nothing next to attention.
+    """
+    phases = t.double()[..., None] * freqs.double()
+    return torch.cat([torch.cos(phases), torch.sin(phases)], dim=-1).float()
+
+
+class SinkMLP(nn.Module):
+    """Tiny MLP over absolute-position features; the shared sink/recency lane u(j)."""
+
+    def __init__(self, in_dim: int, hidden: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
+
+
+class GoatPrior(nn.Module):
+    """Per-KV-head GOAT prior parameters and their lane / matrix forms.
+
+    ``num_kv_heads`` are the heads this module owns (under tensor parallelism: this rank's slice);
+    ``head_offset`` and ``total_kv_heads`` place them among all heads so that ALiBi-seeded slopes are the
+    global heads' slopes. Parameters are kept in fp32 whatever dtype the surrounding model is cast to.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        pos_rank: int = 4,
+        abs_rank: int = 4,
+        pos_base: float = 10_000.0,
+        abs_base: float = 10_000.0,
+        key_bias: bool = True,
+        training_seq_len: int = 2048,
+        prior_init: str = "seeded",
+        init_scale: float = 1e-3,
+        head_offset: int = 0,
+        total_kv_heads: int | None = None,
+    ):
+        super().__init__()
+        if pos_rank < 0 or abs_rank < 1:
+            raise ValueError(f"pos_rank must be >= 0 and abs_rank >= 1, got {pos_rank}, {abs_rank}")
+        if prior_init not in ("seeded", "uniform"):
+            raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {prior_init!r}")
+        if training_seq_len < 1:
+            raise ValueError(f"training_seq_len must be >= 1, got {training_seq_len}")
+        self.num_kv_heads = num_kv_heads
+        self.pos_rank = pos_rank
+        self.abs_rank = abs_rank
+        self.key_bias = key_bias
+        self.training_seq_len = training_seq_len
+        self.prior_init = prior_init
+        self.init_scale = init_scale
+        self.head_offset = head_offset
+        self.total_kv_heads = total_kv_heads or num_kv_heads
+        self.num_lanes = 2 * pos_rank + (1 if key_bias else 0)
+
+        self.register_buffer("rel_freqs", geometric_frequencies(pos_rank, pos_base), persistent=False)
+        self.register_buffer("abs_freqs", geometric_frequencies(abs_rank, abs_base), persistent=False)
+        self.lambda_sym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
+        self.lambda_asym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
+        if key_bias:
+            self.sink_mlp = SinkMLP(2 * abs_rank + 2)
+            self.sink_gain = nn.Parameter(torch.empty(num_kv_heads))
+            self.sink_bump = nn.Parameter(torch.empty(num_kv_heads))
+            self.recency_slope_raw = nn.Parameter(torch.empty(num_kv_heads))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        seeded = self.prior_init == "seeded"
+        nn.init.zeros_(self.lambda_asym)
+        if seeded:
+            nn.init.normal_(self.lambda_sym, std=1e-2)
+        else:
+            nn.init.zeros_(self.lambda_sym)
+        if not self.key_bias:
+            return
+        for layer in (self.sink_mlp.fc1, self.sink_mlp.fc2):
+            nn.init.normal_(layer.weight, std=self.init_scale)
+            nn.init.zeros_(layer.bias)
+        self.sink_gain.fill_(1.0)
+        self.sink_bump.zero_()
+        if seeded:
+            slopes = alibi_slopes(self.total_kv_heads)[self.head_offset : self.head_offset + self.num_kv_heads]
+            self.recency_slope_raw.copy_(inverse_softplus(slopes))
+        else:
+            self.sink_mlp.fc2.weight.zero_()
+            self.recency_slope_raw.fill_(-30.0)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the prior in fp32 when the model is cast (model.to(bfloat16)): its lanes are computed in
+        # fp32 and rounded once, at the end; rounding the parameters themselves would lose the small
+        # lambda values and the recency slopes.
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if t.dtype == torch.float32 and out.is_floating_point() and out.dtype != torch.float32:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
+    # ---- per-key sink lane -------------------------------------------------------------------------
+    def sink(self, t: torch.Tensor, causal: bool) -> torch.Tensor:
+        """u_h(t_j) for fp32 positions ``t`` of shape (B, L): returns (B, L, H_kv)."""
+        denom = float(self.training_seq_len)
+        feats = torch.cat(
+            [
+                fourier_features(t, self.abs_freqs),
+                (t / denom)[..., None],
+                (torch.log1p(t) / math.log1p(denom))[..., None],
+            ],
+            dim=-1,
+        )
+        u = self.sink_gain * self.sink_mlp(feats)[..., None] + self.sink_bump * (t == 0).float()[..., None]
+        if causal:
+            # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measure t_j from the
+            # sequence's first position so the lane stays small at any absolute offset.
+            t0 = t.amin(dim=-1, keepdim=True)
+            u = u + F.softplus(self.recency_slope_raw) * (t - t0)[..., None]
+        return u
+
+    # ---- folded form -------------------------------------------------------------------------------
+    def lanes(self, position_ids: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key lanes, each (B, L, H_kv, 2R+1) fp32, with ``q_lanes . k_lanes = K_ij + c_i``."""
+        t = position_ids.to(torch.float32)
+        B, L = t.shape
+        H, R = self.num_kv_heads, self.pos_rank
+        q_parts, k_parts = [], []
+        if R > 0:
+            rel_t = position_ids - position_ids.amin(dim=-1, keepdim=True)  # K_rel depends on t_i - t_j only
+            cos, sin = fourier_features(rel_t, self.rel_freqs)[..., None, :].split(R, dim=-1)  # (B, L, 1, R)
+            a, b = self.lambda_sym, self.lambda_asym  # (H, R)
+            q_parts += [a * cos + b * sin, a * sin - b * cos]
+            k_parts += [cos.expand(B, L, H, R), sin.expand(B, L, H, R)]
+        if self.key_bias:
+            q_parts.append(t.new_ones(B, L, H, 1))
+            k_parts.append(self.sink(t, causal)[..., None])
+        if not q_parts:
+            empty = t.new_zeros(B, L, H, 0)
+            return empty, empty
+        return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+
+    # ---- explicit form -----------------------------------------------------------------------------
+    def log_prior(self, position_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+        """The explicit log-prior K_ij, (B, H_kv, L, L) fp32, straight from the formula."""
+        t = position_ids.to(torch.float32)
+        B, L = t.shape
+        K = t.new_zeros(B, self.num_kv_heads, L, L)
+        if self.pos_rank > 0:
+            delta = (position_ids[:, :, None] - position_ids[:, None, :]).double()  # (B, L, L)
+            phases = delta[:, None, :, :, None] * self.rel_freqs.double()  # (B, 1, L, L, R)
+            a = self.lambda_sym[None, :, None, None, :]
+            b = self.lambda_asym[None, :, None, None, :]
+            K = K + (a * torch.cos(phases).float() + b * torch.sin(phases).float()).sum(-1)
+        if self.key_bias:
+            K = K + self.sink(t, causal).permute(0, 2, 1)[:, :, None, :]
+        return K
+
+    def extra_repr(self) -> str:
+        return (
+            f"kv_heads={self.num_kv_heads}, R={self.pos_rank}, M={self.abs_rank}, key_bias={self.key_bias}, "
+            f"L_train={self.training_seq_len}, init={self.prior_init}"
+        )
