@@ -1,0 +1,261 @@
+"""Typed run configuration: dataclasses, YAML files and dotted command-line overrides.
+
+``load_config("configs/tiny.yaml", ["train.max_steps=50", "model.goat.pos_rank=8"])`` returns a
+validated ``Config``; unknown keys and wrong types raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names it."""
+
+
+@dataclass
+class GoatConfig:
+    pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes)
+    abs_rank: int = 4  # M: absolute Fourier features of the sink MLP
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    key_bias: bool = True  # the sink/recency lane u(j) (1 lane)
+    prior_init: str = "seeded"  # seeded (ALiBi slopes) | uniform (starts as standard attention)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096  # the tokenizer's; padded internally for TP (padding gets no probability)
+    seq_len: int = 256  # training context; also GOAT's L_train
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: multi-head attention; fewer: grouped-query attention
+    ffn_hidden_size: int | None = None  # None: 4h for gelu, 8h/3 rounded to 64 for swiglu
+    activation: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    bias: bool = False
+    tie_embeddings: bool = True
+    position: str = "goat"  # goat | rope | alibi | none | learned
+    attention_backend: str = "auto"  # auto | flash | sdpa | eager
+    rope_base: float = 10_000.0
+    init_std: float = 0.02
+    dropout: float = 0.0
+    vocab_pad_multiple: int = 128
+    goat: GoatConfig = field(default_factory=GoatConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size; data parallel = world / tp
+    sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    micro_batch_size: int = 8  # sequences per rank per forward pass
+    global_batch_size: int = 8  # sequences per optimizer step, fixed when DP changes
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: str = "none"  # none | full
+    eval_interval: int = 100  # steps between validation passes; 0 disables
+    eval_batches: int = 4
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat data` shard dir
+    cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
+    builtin_max_bytes: int = 8_000_000
+    num_workers: int = 0
+
+
+@dataclass
+class LogConfig:
+    interval: int = 10  # steps between progress lines / metrics.jsonl records
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "goat-tiny"
+    dir: str | None = None  # default: runs/<name> under the working directory
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- validation ------------------------------------------------------------------------------------
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a type hint; accept ints for floats and YAML's '1e-3' strings."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(f"config key '{key}' expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    for name, value in updates.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"unknown config key '{key}' (known here: {known})")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{key}' is a section; give a mapping, got {value!r}")
+            _merge(current, value, prefix=f"{key}.")
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def parse_override(text: str) -> dict:
+    """``a.b.c=value`` -> ``{"a": {"b": {"c": value}}}``, the value parsed as YAML (``null``, ``true``)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    out: dict = {}
+    node = out
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        try:
+            _merge(cfg, data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+    for text in overrides or []:
+        _merge(cfg, parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key '{key}' must be one of {allowed}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group (layout checks against the world size live in distributed)."""
+    m, t = cfg.model, cfg.train
+    _choice("model.position", m.position, ("goat", "rope", "alibi", "none", "learned"))
+    _choice("model.attention_backend", m.attention_backend, ("auto", "flash", "sdpa", "eager"))
+    _choice("model.activation", m.activation, ("swiglu", "gelu"))
+    _choice("model.norm", m.norm, ("rmsnorm", "layernorm"))
+    _choice("model.goat.prior_init", m.goat.prior_init, ("seeded", "uniform"))
+    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full"))
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_heads % kv:
+        raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
+    head_dim = m.hidden_size // m.num_heads
+    lanes = 2 * m.goat.pos_rank + int(m.goat.key_bias)
+    if m.position == "goat" and head_dim <= lanes:
+        raise ConfigError(
+            f"head dim {head_dim} leaves no content lanes after GOAT's {lanes} prior lanes "
+            f"(model.goat.pos_rank={m.goat.pos_rank})"
+        )
+    if m.position == "rope" and head_dim % 2:
+        raise ConfigError(f"rope needs an even head dim, got {head_dim}")
+    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0-3, got {cfg.parallel.zero_stage}")
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1")
+    positive = {
+        "train.max_steps": t.max_steps,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
+        "model.seq_len": m.seq_len,
+        "log.interval": cfg.log.interval,
+        "parallel.tp": cfg.parallel.tp,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from goat_dist.utils import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

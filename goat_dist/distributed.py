@@ -1,0 +1,111 @@
+"""Process groups: torch.distributed + megatron-core ``parallel_state``, set up and torn down once.
+
+One process (``goat train``) and many (``torchrun -m goat_dist train``) take the same path: without
+torchrun's environment a world of size 1 is created, so the model is always built from megatron-core's
+tensor-parallel layers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .compat import apply_cpu_compat
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    rank: int
+    local_rank: int
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_layout(world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len: int, sp: bool) -> None:
+    """Reject impossible layouts before any work starts, naming the numbers."""
+    problems = []
+    if world % tp:
+        problems.append(f"world size {world} is not divisible by parallel.tp={tp}")
+    if num_heads % tp:
+        problems.append(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
+    if num_kv_heads % tp:
+        problems.append(f"model.num_kv_heads={num_kv_heads} is not divisible by parallel.tp={tp}")
+    if sp and seq_len % tp:
+        problems.append(f"model.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
+    if problems:
+        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
+def init(tp: int = 1, seed: int = 0) -> Layout:
+    """Initialise torch.distributed (gloo on CPU, nccl on CUDA) and megatron's parallel_state."""
+    from megatron.core import parallel_state
+
+    apply_cpu_compat()
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # single process, not under torchrun
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    return Layout(
+        world=dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        tp=tp,
+        dp=dist.get_world_size() // tp,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=device,
+    )
+
+
+def teardown() -> None:
+    """Barrier, destroy megatron's and torch's groups. Idempotent."""
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> None:
+    """End a distributed worker deterministically.
+
+    gloo groups created by DeepSpeed can outlive ``destroy_process_group`` and abort the interpreter at
+    teardown ("terminate called without an active exception"). Running the atexit handlers ourselves,
+    flushing, then ``os._exit`` avoids that race while still stopping helper processes cleanly.
+    """
+    teardown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,112 @@
+"""Self-attention built from megatron-core tensor-parallel layers, with a pluggable position scheme.
+
+Activations are sequence-first ``[s, b, h]`` as in megatron-core (so sequence parallelism shards dim 0).
+A rank owns ``num_kv_heads / tp`` whole KV groups: their q/k/v columns of the fused projection and, for
+GOAT, their slice of the prior's per-head parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from torch import nn
+
+from ..attention import GoatPrior, alibi_slopes, attend, goat_attention, split_grouped_qkv
+from ..attention.goat import grouped_qkv_width
+from ..attention.kernels import _flash_attn_func, eager_attention, resolve_backend
+from ..config import ModelConfig
+from .positions import alibi_bias, apply_rope, rope_cos_sin
+
+
+def mark_tensor_parallel(param: nn.Parameter, dim: int = 0) -> None:
+    """Tag a parameter split across TP ranks the way megatron-core does (grad-norm clipping reads it)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+class ParallelSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.cfg = cfg
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
+        self.local_heads, self.local_kv_heads = heads // tp, kv_heads // tp
+        self.group = heads // kv_heads
+        self.head_dim = cfg.hidden_size // heads
+        self.backend = resolve_backend(cfg.attention_backend)
+        self.prior = None
+        self.content_dim = self.head_dim
+        if cfg.position == "goat":
+            g = cfg.goat
+            self.prior = GoatPrior(
+                self.local_kv_heads,
+                g.pos_rank,
+                g.abs_rank,
+                pos_base=g.pos_base,
+                abs_base=g.abs_base,
+                key_bias=g.key_bias,
+                training_seq_len=cfg.seq_len,
+                prior_init=g.prior_init,
+                head_offset=tp_rank * self.local_kv_heads,
+                total_kv_heads=kv_heads,
+            )
+            self.content_dim = self.head_dim - self.prior.num_lanes
+            for name, p in self.prior.named_parameters():
+                if not name.startswith("sink_mlp."):  # per-head: split with the heads
+                    mark_tensor_parallel(p)
+        if cfg.position == "alibi":
+            slopes = alibi_slopes(heads)[tp_rank * self.local_heads : (tp_rank + 1) * self.local_heads]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+        width = grouped_qkv_width(kv_heads, self.group, self.content_dim, self.head_dim)
+        self.qkv = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, width, config=mp_config, init_method=init_method, bias=cfg.bias, gather_output=False
+        )
+        self.proj = tensor_parallel.RowParallelLinear(
+            heads * self.head_dim,
+            cfg.hidden_size,
+            config=mp_config,
+            init_method=output_init_method,
+            bias=cfg.bias,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        mixed, _ = self.qkv(x)  # [s, b, local width]; gathers the sequence under SP
+        mixed = mixed.transpose(0, 1)
+        q, k, v = split_grouped_qkv(mixed, self.local_kv_heads, self.group, self.content_dim, self.head_dim)
+        out = self._attend(q, k, v, position_ids)
+        b, s = out.shape[:2]
+        out, _ = self.proj(out.reshape(b, s, -1).transpose(0, 1))  # reduce(-scatter under SP)
+        return out
+
+    def _attend(self, q, k, v, position_ids):
+        position = self.cfg.position
+        if position == "goat":
+            return goat_attention(q, k, v, self.prior, position_ids, causal=True, backend=self.backend)
+        scale = self.head_dim**-0.5
+        if position == "rope":
+            cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_base)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if position == "alibi":
+            if self.backend == "flash":
+                slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)
+                return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, alibi_slopes=slopes)
+            bias = alibi_bias(position_ids, self.alibi_slopes)
+            return eager_attention(q, k, v, causal=True, scale=scale, bias=bias) if self.backend == "eager" \
+                else _sdpa_with_bias(q, k, v, scale, bias)
+        return attend(q, k, v, causal=True, scale=scale, backend=self.backend)
+
+
+def _sdpa_with_bias(q, k, v, scale, bias):
+    """SDPA with an additive (B, H, L, L) bias plus the causal mask folded into it."""
+    L = q.shape[1]
+    future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    mask = bias.masked_fill(future, float("-inf")).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)

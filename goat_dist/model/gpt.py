@@ -1,0 +1,169 @@
+"""A decoder-only GPT made of megatron-core tensor-parallel layers.
+
+Read top to bottom: embedding -> N x (pre-norm attention, pre-norm MLP) -> final norm -> vocab-parallel
+logits -> vocab-parallel cross-entropy. Activations between blocks are ``[s, b, h]``; under sequence
+parallelism each TP rank holds ``s / tp`` of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from .attention import ParallelSelfAttention
+
+
+def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
+    """Round the vocabulary up so every TP rank holds an equal, aligned slice."""
+    step = multiple * tp
+    return math.ceil(vocab_size / step) * step
+
+
+def ffn_size(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden_size:
+        return cfg.ffn_hidden_size
+    if cfg.activation == "gelu":
+        return 4 * cfg.hidden_size
+    return 64 * math.ceil(8 * cfg.hidden_size / 3 / 64)
+
+
+def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.norm == "rmsnorm" else \
+        nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+    for p in norm.parameters():
+        p.sequence_parallel = sequence_parallel  # replicated; grads summed over TP under SP
+    return norm
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        ffn = ffn_size(cfg)
+        # SwiGLU's gate and up projections are one fused matrix; stride 2 gives each rank the matching
+        # slices of both, so the split (and the initial weights) are the same for any TP size.
+        self.fc1 = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size, 2 * ffn if self.swiglu else ffn, config=mp_config, init_method=init_method,
+            bias=cfg.bias, gather_output=False, stride=2 if self.swiglu else 1,
+        )
+        self.fc2 = tensor_parallel.RowParallelLinear(
+            ffn, cfg.hidden_size, config=mp_config, init_method=output_init_method, bias=cfg.bias,
+            input_is_parallel=True, skip_bias_add=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        out, _ = self.fc2(h)
+        return out
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+        super().__init__()
+        sp = mp_config.sequence_parallel
+        self.attn_norm = make_norm(cfg, sp)
+        self.attn = ParallelSelfAttention(cfg, mp_config, init_method, output_init_method)
+        self.mlp_norm = make_norm(cfg, sp)
+        self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: bool = False):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.cfg = cfg
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp)
+        mp = ModelParallelConfig(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sequence_parallel,
+            use_cpu_initialization=True,  # same initial weights for every TP size, from the global seed
+            perform_initialization=True,
+            params_dtype=torch.float32,
+            gradient_accumulation_fusion=False,
+        )
+        std = cfg.init_std
+        init = lambda w: nn.init.normal_(w, mean=0.0, std=std)
+        out_init = lambda w: nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * cfg.num_layers))
+
+        self.embedding = tensor_parallel.VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size,
+                                                                init_method=init, config=mp)
+        self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+        if self.pos_embedding is not None:
+            init(self.pos_embedding.weight)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, mp, init, out_init) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg, sequence_parallel)
+        self.output = None
+        if not cfg.tie_embeddings:
+            self.output = tensor_parallel.ColumnParallelLinear(
+                cfg.hidden_size, self.padded_vocab, config=mp, init_method=init, bias=False, gather_output=False
+            )
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens, position_ids (b, s) -> final hidden states [s(/tp under SP), b, h]."""
+        x = self.embedding(tokens)  # [b, s, h], all-reduced over TP
+        if self.pos_embedding is not None:
+            if int(position_ids.max()) >= self.cfg.seq_len:
+                raise ValueError(f"learned positions stop at model.seq_len={self.cfg.seq_len}")
+            x = x + self.pos_embedding(position_ids)
+        x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, position_ids, use_reentrant=False)
+            else:
+                x = block(x, position_ids)
+        return self.final_norm(x)
+
+    def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s, b, padded_vocab / tp] logits; padding columns are -inf so they never get probability."""
+        if self.output is not None:
+            logits, _ = self.output(hidden)
+        else:
+            if self.sequence_parallel:
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+            else:
+                hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+            logits = F.linear(hidden, self.embedding.weight)
+        logits = logits.float()
+        if self.padded_vocab != self.vocab_size:
+            local = logits.shape[-1]
+            first = parallel_state.get_tensor_model_parallel_rank() * local
+            padding = torch.arange(first, first + local, device=logits.device) >= self.vocab_size
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
+
+    def forward(self, tokens, position_ids, labels=None):
+        """Mean next-token loss when ``labels`` are given, else vocab-parallel logits [b, s, V/tp]."""
+        logits = self.vocab_parallel_logits(self.hidden_states(tokens, position_ids))
+        if labels is None:
+            return logits.transpose(0, 1)
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
+        return losses.mean()
+
+
+def gather_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary logits from the vocab-parallel ones (inference, tests, export)."""
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
+    return full[..., :vocab_size]
