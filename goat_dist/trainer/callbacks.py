@@ -1,0 +1,99 @@
+"""Callbacks keep the loop short: progress lines, metrics.jsonl and TensorBoard live here.
+
+A callback sees the ``RunState``; the trainer calls ``on_train_start``, ``on_log`` (every
+``log.interval`` steps and the last), ``on_eval`` and ``on_train_end``. Only the main rank gets loggers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .state import RunState
+
+
+class Callback:
+    def on_train_start(self, state: RunState, info: dict) -> None: ...
+    def on_log(self, state: RunState, metrics: dict) -> None: ...
+    def on_eval(self, state: RunState, metrics: dict) -> None: ...
+    def on_train_end(self, state: RunState) -> None: ...
+
+
+def _fmt_time(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class ConsoleLogger(Callback):
+    """One line per log step: step, loss, lr, grad norm, throughput, elapsed / remaining time."""
+
+    def __init__(self, max_steps: int, stream=sys.stdout):
+        self.max_steps, self.stream = max_steps, stream
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def on_train_start(self, state, info):
+        for line in info.get("lines", []):
+            self._print(line)
+
+    def on_log(self, state, metrics):
+        done = max(state.step, 1)
+        eta = state.elapsed_s / done * (self.max_steps - state.step)
+        self._print(
+            f"step {state.step:>6}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+            f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s | "
+            f"{_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
+        )
+
+    def on_eval(self, state, metrics):
+        self._print(f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}")
+
+    def on_train_end(self, state):
+        self._print(f"done: {state.step} steps, {state.consumed_tokens:,} tokens, {_fmt_time(state.elapsed_s)}")
+
+
+class JsonlLogger(Callback):
+    """Appends one JSON object per logged step (and per eval) to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def _write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_start(self, state, info):
+        self._write({"event": "start", "time": time.time(), "step": state.step, **info.get("record", {})})
+
+    def on_log(self, state, metrics):
+        self._write({"step": state.step, **metrics, "consumed_tokens": state.consumed_tokens})
+
+    def on_eval(self, state, metrics):
+        self._write({"step": state.step, **metrics})
+
+
+class TensorBoardLogger(Callback):
+    """Scalars under ``train/`` and ``eval/`` in the run directory's ``tensorboard/``."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def on_log(self, state, metrics):
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(f"train/{key}", value, state.step)
+        self.writer.flush()
+
+    def on_eval(self, state, metrics):
+        for key, value in metrics.items():
+            self.writer.add_scalar(f"eval/{key}", value, state.step)
+        self.writer.flush()
+
+    def on_train_end(self, state):
+        self.writer.close()

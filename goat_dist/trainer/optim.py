@@ -1,0 +1,44 @@
+"""AdamW parameter groups and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """Norms, biases and the GOAT prior are not decayed (the prior's scale is its meaning)."""
+    return param.ndim < 2 or ".prior." in f".{name}" or "norm" in name
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, keep = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (keep if no_decay(name, p) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": keep, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.max_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
+    """torch AdamW (no extension build needed) and a LambdaLR following ``lr_at``."""
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg) / cfg.lr)
+    return opt, sched

@@ -1,0 +1,179 @@
+"""The training loop. Everything else (logging, parallelism, data) is set up around it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from .. import distributed
+from ..config import Config, save_config
+from ..model import GPT
+from .batches import dataset_dir, loader
+from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
+from .parallelize import parallelize
+from .state import RunState
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def gradient_accumulation(cfg: Config, dp: int) -> int:
+    t = cfg.train
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
+        )
+    return t.global_batch_size // per_step
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+class Trainer:
+    def __init__(self, cfg: Config, callbacks: list[Callback] | None = None):
+        self.cfg = cfg
+        self.layout = distributed.init(tp=cfg.parallel.tp)
+        m = cfg.model
+        distributed.check_layout(self.layout.world, cfg.parallel.tp, m.num_heads, m.num_kv_heads or m.num_heads,
+                                 m.seq_len, cfg.parallel.sp)
+        self.grad_accum = gradient_accumulation(cfg, self.layout.dp)
+        self.run_dir = cfg.run_dir
+        self.state = RunState()
+        seed_everything(cfg.train.seed)  # same seed on every rank: identical initial weights
+        self.model = GPT(m, sequence_parallel=cfg.parallel.sp,
+                         activation_checkpointing=cfg.train.activation_checkpointing == "full")
+        self.engine = parallelize(self.model, cfg, self.grad_accum)
+        self.autocast = autocast_context(cfg, self.layout.device)
+        log = print if self.layout.is_main else (lambda *a, **k: None)
+        self.data_dir = dataset_dir(cfg, self.layout, log=log)
+        self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
+
+    def _default_callbacks(self) -> list[Callback]:
+        if not self.layout.is_main:
+            return []
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        cbs: list[Callback] = [ConsoleLogger(self.cfg.train.max_steps), JsonlLogger(self.run_dir / "metrics.jsonl")]
+        if self.cfg.log.tensorboard:
+            cbs.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        return cbs
+
+    def _emit(self, event: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, event)(self.state, *args)
+
+    def start_info(self) -> dict:
+        lay, cfg = self.layout, self.cfg
+        local = sum(p.numel() for p in self.model.parameters())
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(lay.world)]
+        dist.all_gather(counts, torch.tensor([local]))
+        record = {
+            "world": lay.world, "tp": lay.tp, "sp": cfg.parallel.sp, "dp": lay.dp,
+            "zero_stage": cfg.parallel.zero_stage, "micro_batch": cfg.train.micro_batch_size,
+            "global_batch": cfg.train.global_batch_size, "grad_accum": self.grad_accum,
+            "params_per_rank": [int(c) for c in counts], "device": str(lay.device),
+            "position": cfg.model.position, "attention_backend": self.model.blocks[0].attn.backend,
+        }
+        lines = [
+            f"goat-dist run dir: {self.run_dir}",
+            f"layout: world {lay.world} = TP {lay.tp} x DP {lay.dp} | SP {cfg.parallel.sp} | "
+            f"ZeRO {cfg.parallel.zero_stage} | micro {cfg.train.micro_batch_size} x accum {self.grad_accum} "
+            f"x DP {lay.dp} = global {cfg.train.global_batch_size} seqs of {cfg.model.seq_len}",
+            f"model: {cfg.model.position} attention ({record['attention_backend']}), "
+            f"params per rank {record['params_per_rank']}",
+        ]
+        return {"record": record, "lines": lines}
+
+    def _batch(self, it) -> tuple[torch.Tensor, ...]:
+        b = next(it)
+        dev = self.layout.device
+        return b["tokens"].to(dev), b["position_ids"].to(dev), b["labels"].to(dev)
+
+    def train_step(self, it) -> float:
+        """One optimizer step (``grad_accum`` micro-batches); returns the DP-mean loss."""
+        total = torch.zeros((), device=self.layout.device)
+        for _ in range(self.grad_accum):
+            tokens, positions, labels = self._batch(it)
+            with self.autocast():
+                loss = self.engine(tokens, positions, labels)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        total /= self.grad_accum
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return total.item() / self.layout.dp
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        it = iter(loader(self.cfg, self.layout, self.data_dir, "val"))
+        total = torch.zeros((), device=self.layout.device)
+        n = self.cfg.train.eval_batches
+        for _ in range(n):
+            tokens, positions, labels = self._batch(it)
+            with self.autocast():
+                total += self.engine(tokens, positions, labels).float()
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        self.engine.train()
+        return total.item() / (n * self.layout.dp)
+
+    def fit(self) -> RunState:
+        cfg, state = self.cfg, self.state
+        self._emit("on_train_start", self.start_info())
+        it = iter(loader(cfg, self.layout, self.data_dir, "train"))
+        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        window_start, window_steps = time.perf_counter(), 0
+        while state.step < cfg.train.max_steps and state.stop_requested is None:
+            t0 = time.perf_counter()
+            loss = self.train_step(it)
+            state.step += 1
+            state.consumed_samples += cfg.train.global_batch_size
+            state.consumed_tokens += tokens_per_step
+            state.elapsed_s += time.perf_counter() - t0
+            window_steps += 1
+            last = state.step == cfg.train.max_steps
+            if state.step % cfg.log.interval == 0 or last or state.step == 1:
+                seconds = time.perf_counter() - window_start
+                state.metrics = {
+                    "loss": loss,
+                    "lr": self.engine.get_lr()[0],
+                    "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                    "tokens_per_s": tokens_per_step * window_steps / seconds,
+                }
+                self._emit("on_log", state.metrics)
+                window_start, window_steps = time.perf_counter(), 0
+            if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
+                self._emit("on_eval", {"val_loss": self.evaluate()})
+                window_start = time.perf_counter()
+        self._emit("on_train_end")
+        return state
+
+
+def run(cfg: Config) -> RunState:
+    """Entry point of ``goat train``: train, then tear the process groups down cleanly."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        distributed.teardown()
