@@ -20,8 +20,9 @@ from goat_dist.attention import GoatPrior, goat_attention
 
 
 def plain_sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
 
 
 def time_fwd_bwd(fn, inputs) -> float:
@@ -63,16 +64,17 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} H={args.heads} "
-          f"D={args.head_dim} R={args.pos_rank} (GOAT: {2 * args.pos_rank + 1} prior lanes), causal, fp32, CPU")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} H={args.heads} "
+        f"D={args.head_dim} R={args.pos_rank} (GOAT: {2 * args.pos_rank + 1} prior lanes), causal, fp32, CPU"
+    )
     print(f"{'L':>6} {'goat fwd+bwd s':>15} {'sdpa fwd+bwd s':>15} {'ratio':>7}")
     ratios = []
     for L in args.lengths:
         g, s = bench(args.batch, args.heads, args.head_dim, L, args.pos_rank, args.repeats)
         ratios.append(g / s)
         print(f"{L:>6} {g:>15.4f} {s:>15.4f} {g / s:>7.3f}")
-    print(f"ratio goat/sdpa (geometric mean over L={args.lengths}): "
-          f"{statistics.geometric_mean(ratios):.3f}")
+    print(f"ratio goat/sdpa (geometric mean over L={args.lengths}): {statistics.geometric_mean(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="goat", description="Pretrain decoder LMs with GOAT attention priors.")
+    parser = argparse.ArgumentParser(
+        prog="goat", description="Pretrain decoder LMs with GOAT attention priors."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: the tiny GOAT model on the builtin corpus)")
     train.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=runs/x")
+    train.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=runs/x"
+    )
     train.set_defaults(func=cmd_train)
     return parser
 

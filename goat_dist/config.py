@@ -86,6 +86,7 @@ class DataConfig:
     cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
     builtin_max_bytes: int = 8_000_000
     num_workers: int = 0
+    shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
 
 
 @dataclass
@@ -256,6 +257,6 @@ def validate(cfg: Config) -> None:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from goat_dist.utils import atomic_write_text
+    from goat_dist.atomic import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

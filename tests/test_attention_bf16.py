@@ -47,7 +47,12 @@ def test_reference_bf16_error_grows_with_position():
     goat = pytest.importorskip("goat.attention")
     torch.manual_seed(0)
     ref = goat.GoatAttention(
-        embed_dim=256, num_heads=8, kv_num_heads=4, pos_rank=4, abs_rank=4, training_seq_len=1024,
+        embed_dim=256,
+        num_heads=8,
+        kv_num_heads=4,
+        pos_rank=4,
+        abs_rank=4,
+        training_seq_len=1024,
         batch_first=True,
     )
     x = torch.randn(2, L, 256)

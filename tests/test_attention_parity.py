@@ -22,7 +22,9 @@ OFFSETS = [0, 7, 1000, 100000]
 CASES = [
     dict(causal=c, kv_heads=kv, R=R, M=M, init=init, key_bias=kb, offset=OFFSETS[i % len(OFFSETS)])
     for i, (c, kv, R, M, init, kb) in enumerate(
-        itertools.product([True, False], [4, 2], [0, 2, 4, 8], [2, 4, 8], ["seeded", "uniform"], [True, False])
+        itertools.product(
+            [True, False], [4, 2], [0, 2, 4, 8], [2, 4, 8], ["seeded", "uniform"], [True, False]
+        )
     )
 ]
 
@@ -81,7 +83,9 @@ def in_float64(ref):
 def run_reference(ref, x, case):
     x = x.detach().clone().requires_grad_(True)
     off = case["offset"]
-    y, _ = ref(x, x, x, is_causal=case["causal"], need_weights=False, position_offset_q=off, position_offset_k=off)
+    y, _ = ref(
+        x, x, x, is_causal=case["causal"], need_weights=False, position_offset_q=off, position_offset_k=off
+    )
     return y, x
 
 
@@ -108,14 +112,20 @@ SHIFT_ONLY = {"prior.sink_mlp.fc2.bias"}
 # eager and the folded kernel round them differently, so they agree to 1e-3 relative (the first layer's
 # bias, nearly a pure shift itself, to 1e-2), not 1e-5. A folding error would show as O(1). Everything
 # else is compared at 1e-5.
-CANCELLING = {"prior.sink_mlp.fc1.bias": 1e-2, "prior.sink_mlp.fc1.weight": 1e-3, "prior.recency_slope_raw": 1e-3}
+CANCELLING = {
+    "prior.sink_mlp.fc1.bias": 1e-2,
+    "prior.sink_mlp.fc1.weight": 1e-3,
+    "prior.recency_slope_raw": 1e-3,
+}
 
 
 def assert_shift_only_gradient(mod, name):
     g = dict(mod.named_parameters())[name].grad
     if g is None:
         return
-    scale = mod.prior.sink_gain.grad.abs().max().item() + mod.prior.sink_mlp.fc2.weight.grad.abs().max().item()
+    scale = (
+        mod.prior.sink_gain.grad.abs().max().item() + mod.prior.sink_mlp.fc2.weight.grad.abs().max().item()
+    )
     assert g.abs().max().item() <= 1e-4 * max(scale, 1.0), f"{name}: {g} should be ~0"
 
 

@@ -361,3 +361,20 @@ def test_prepare_builtin_dataset_crash_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="mid-build"):
         prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES, log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shuffle_buffer_is_deterministic_and_keeps_the_dp_split(packed_shards):
+    seq_len, n = 8, 40
+    plain = _take(PackedSequences(packed_shards, seq_len, seed=5), n)
+    mixed = _take(PackedSequences(packed_shards, seq_len, seed=5, shuffle_buffer=16), n)
+    assert [s["tokens"].tolist() for s in mixed] != [s["tokens"].tolist() for s in plain]
+    again = _take(PackedSequences(packed_shards, seq_len, seed=5, shuffle_buffer=16), n)
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(mixed, again))
+    ranks = [
+        _take(
+            PackedSequences(packed_shards, seq_len, seed=5, dp_rank=r, dp_size=2, shuffle_buffer=16), n // 2
+        )
+        for r in (0, 1)
+    ]
+    interleaved = [s for pair in zip(*ranks) for s in pair]
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(mixed, interleaved))

@@ -61,8 +61,14 @@ def plain_gpt_logits(model: GPT, cfg: ModelConfig, tokens, positions):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_gpt_matches_plain_pytorch(world1, position, kv_heads):
     cfg = ModelConfig(
-        vocab_size=500, seq_len=48, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=kv_heads,
-        position=position, attention_backend="sdpa",
+        vocab_size=500,
+        seq_len=48,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        position=position,
+        attention_backend="sdpa",
     )
     torch.manual_seed(0)
     model = GPT(cfg).eval()
@@ -75,8 +81,15 @@ def test_gpt_matches_plain_pytorch(world1, position, kv_heads):
 
 
 def test_padded_vocab_gets_no_probability(world1):
-    cfg = ModelConfig(vocab_size=300, seq_len=16, num_layers=1, hidden_size=32, num_heads=2, position="goat",
-                      attention_backend="sdpa")
+    cfg = ModelConfig(
+        vocab_size=300,
+        seq_len=16,
+        num_layers=1,
+        hidden_size=32,
+        num_heads=2,
+        position="goat",
+        attention_backend="sdpa",
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     assert model.padded_vocab == 384

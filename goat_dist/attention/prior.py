@@ -136,7 +136,9 @@ class GoatPrior(nn.Module):
         self.sink_gain.fill_(1.0)
         self.sink_bump.zero_()
         if seeded:
-            slopes = alibi_slopes(self.total_kv_heads)[self.head_offset : self.head_offset + self.num_kv_heads]
+            slopes = alibi_slopes(self.total_kv_heads)[
+                self.head_offset : self.head_offset + self.num_kv_heads
+            ]
             self.recency_slope_raw.copy_(inverse_softplus(slopes))
         else:
             self.sink_mlp.fc2.weight.zero_()

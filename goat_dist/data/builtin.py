@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from goat_dist.data.atomic import fsync_dir
+from goat_dist.atomic import fsync_dir
 from goat_dist.data.corpus import stdlib_documents
 from goat_dist.data.shards import (
     MANIFEST_NAME,
@@ -114,7 +114,8 @@ def _build(out: Path, vocab_size: int, max_bytes: int, val_fraction: float, log:
     n_shards = {name: len(entries) for name, entries in splits.items()}
     log(
         f"[data] builtin dataset: {tokens['train']:,} train / {tokens['val']:,} val tokens in "
-        f"{n_shards['train']}+{n_shards['val']} shards (tokenizer {t_tok - t0:.1f}s, total {t1 - t0:.1f}s)"
+        f"{n_shards['train']}+{n_shards['val']} shards "
+        f"(corpus+tokenizer {t_tok - t0:.1f}s, total {t1 - t0:.1f}s)"
     )
     return manifest
 

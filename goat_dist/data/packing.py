@@ -12,6 +12,11 @@ Stream layout per epoch (`epoch = 0, 1, ...`):
   * the tail shorter than a window is dropped at the end of each epoch, so each epoch is a pure
     function of (shards, seq_len, seed, epoch), which makes later exact resume simple.
 
+Shuffling: windows pass through a seeded shuffle buffer (`shuffle_buffer` windows, seeded by
+(seed, epoch)) before the data-parallel split, so a batch mixes documents from several shards
+instead of holding consecutive windows of one file. The buffer is the same on every rank and
+worker, so the split below is unchanged; `shuffle_buffer=0` keeps the stream order.
+
 Data parallelism: window n goes to rank `n % dp_size` (explicit `dp_rank`/`dp_size`, never the
 RANK environment variable), so ranks get disjoint windows and interleaving the ranks' streams
 gives the DP=1 stream.
@@ -55,6 +60,7 @@ class PackedSequences(IterableDataset):
         seed: int = 0,
         dp_rank: int = 0,
         dp_size: int = 1,
+        shuffle_buffer: int = 0,
     ):
         super().__init__()
         if isinstance(shard_paths, (str, os.PathLike)):
@@ -70,6 +76,7 @@ class PackedSequences(IterableDataset):
         self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.shuffle_buffer = shuffle_buffer
 
     def shard_order(self, epoch: int) -> list[str]:
         """Shard paths in the order read during `epoch` (same on every rank and worker)."""
@@ -98,6 +105,23 @@ class PackedSequences(IterableDataset):
             for i in range((buf.size - 1) // stride):
                 yield buf[i * stride : i * stride + width]
 
+    def shuffled_windows(self, epoch: int) -> Iterator[np.ndarray]:
+        """``iter_windows(epoch)`` through a seeded shuffle buffer (copies; safe to keep)."""
+        if self.shuffle_buffer <= 1:
+            yield from self.iter_windows(epoch)
+            return
+        rng = np.random.default_rng([self.seed, epoch, 1])
+        buf: list[np.ndarray] = []
+        for window in self.iter_windows(epoch):
+            if len(buf) < self.shuffle_buffer:
+                buf.append(window.copy())
+                continue
+            j = int(rng.integers(len(buf)))
+            yield buf[j]
+            buf[j] = window.copy()
+        for j in rng.permutation(len(buf)):
+            yield buf[j]
+
     def _sample(self, window: np.ndarray) -> dict[str, torch.Tensor]:
         # astype copies, so samples don't keep the shared concatenation buffer alive
         return {
@@ -114,7 +138,7 @@ class PackedSequences(IterableDataset):
         epoch = 0
         while True:
             n_windows = 0
-            for n, window in enumerate(self.iter_windows(epoch)):
+            for n, window in enumerate(self.shuffled_windows(epoch)):
                 n_windows = n + 1
                 if n % consumers == mine:
                     yield self._sample(window)

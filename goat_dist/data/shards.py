@@ -26,7 +26,7 @@ import numpy as np
 from webdataset import tariterators
 from webdataset.writer import TarWriter
 
-from goat_dist.data.atomic import atomic_write_text, commit_file, temp_path_for
+from goat_dist.atomic import atomic_write_text, commit_file, temp_path_for
 
 FORMAT = "goat-dist-shards/1"
 MANIFEST_NAME = "manifest.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from goat_dist.data.atomic import atomic_write_text
+from goat_dist.atomic import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
 # 256 byte symbols + EOS is the smallest vocabulary a byte-level BPE can have.

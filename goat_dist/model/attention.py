@@ -61,7 +61,12 @@ class ParallelSelfAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes, persistent=False)
         width = grouped_qkv_width(kv_heads, self.group, self.content_dim, self.head_dim)
         self.qkv = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, width, config=mp_config, init_method=init_method, bias=cfg.bias, gather_output=False
+            cfg.hidden_size,
+            width,
+            config=mp_config,
+            init_method=init_method,
+            bias=cfg.bias,
+            gather_output=False,
         )
         self.proj = tensor_parallel.RowParallelLinear(
             heads * self.head_dim,
@@ -95,8 +100,11 @@ class ParallelSelfAttention(nn.Module):
                 slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)
                 return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, alibi_slopes=slopes)
             bias = alibi_bias(position_ids, self.alibi_slopes)
-            return eager_attention(q, k, v, causal=True, scale=scale, bias=bias) if self.backend == "eager" \
+            return (
+                eager_attention(q, k, v, causal=True, scale=scale, bias=bias)
+                if self.backend == "eager"
                 else _sdpa_with_bias(q, k, v, scale, bias)
+            )
         return attend(q, k, v, causal=True, scale=scale, backend=self.backend)
 
 
@@ -106,7 +114,11 @@ def _sdpa_with_bias(q, k, v, scale, bias):
     future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
     mask = bias.masked_fill(future, float("-inf")).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)

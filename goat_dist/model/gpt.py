@@ -35,8 +35,11 @@ def ffn_size(cfg: ModelConfig) -> int:
 
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.norm == "rmsnorm" else \
-        nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+    norm = (
+        nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        if cfg.norm == "rmsnorm"
+        else nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+    )
     for p in norm.parameters():
         p.sequence_parallel = sequence_parallel  # replicated; grads summed over TP under SP
     return norm
@@ -50,12 +53,22 @@ class ParallelMLP(nn.Module):
         # SwiGLU's gate and up projections are one fused matrix; stride 2 gives each rank the matching
         # slices of both, so the split (and the initial weights) are the same for any TP size.
         self.fc1 = tensor_parallel.ColumnParallelLinear(
-            cfg.hidden_size, 2 * ffn if self.swiglu else ffn, config=mp_config, init_method=init_method,
-            bias=cfg.bias, gather_output=False, stride=2 if self.swiglu else 1,
+            cfg.hidden_size,
+            2 * ffn if self.swiglu else ffn,
+            config=mp_config,
+            init_method=init_method,
+            bias=cfg.bias,
+            gather_output=False,
+            stride=2 if self.swiglu else 1,
         )
         self.fc2 = tensor_parallel.RowParallelLinear(
-            ffn, cfg.hidden_size, config=mp_config, init_method=output_init_method, bias=cfg.bias,
-            input_is_parallel=True, skip_bias_add=False,
+            ffn,
+            cfg.hidden_size,
+            config=mp_config,
+            init_method=output_init_method,
+            bias=cfg.bias,
+            input_is_parallel=True,
+            skip_bias_add=False,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +98,9 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: bool = False):
+    def __init__(
+        self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: bool = False
+    ):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.cfg = cfg
@@ -105,8 +120,9 @@ class GPT(nn.Module):
         init = lambda w: nn.init.normal_(w, mean=0.0, std=std)
         out_init = lambda w: nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * cfg.num_layers))
 
-        self.embedding = tensor_parallel.VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size,
-                                                                init_method=init, config=mp)
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            self.padded_vocab, cfg.hidden_size, init_method=init, config=mp
+        )
         self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
         if self.pos_embedding is not None:
             init(self.pos_embedding.weight)
@@ -115,7 +131,12 @@ class GPT(nn.Module):
         self.output = None
         if not cfg.tie_embeddings:
             self.output = tensor_parallel.ColumnParallelLinear(
-                cfg.hidden_size, self.padded_vocab, config=mp, init_method=init, bias=False, gather_output=False
+                cfg.hidden_size,
+                self.padded_vocab,
+                config=mp,
+                init_method=init,
+                bias=False,
+                gather_output=False,
             )
 
     # ---- forward ----------------------------------------------------------------------------------

@@ -17,11 +17,13 @@ def dataset_dir(cfg: Config, layout: Layout, log=print) -> Path:
     if cfg.data.source == "builtin":
         cache = Path(cfg.data.cache_dir).expanduser()
         if layout.is_main:
-            prepare_builtin_dataset(cache, vocab_size=cfg.model.vocab_size,
-                                    max_bytes=cfg.data.builtin_max_bytes, log=log)
+            prepare_builtin_dataset(
+                cache, vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes, log=log
+            )
         dist.barrier()
-        path = prepare_builtin_dataset(cache, vocab_size=cfg.model.vocab_size,
-                                       max_bytes=cfg.data.builtin_max_bytes, log=lambda *a: None)
+        path = prepare_builtin_dataset(
+            cache, vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes, log=lambda *a: None
+        )
     else:
         path = Path(cfg.data.source).expanduser()
     manifest = read_manifest(path)
@@ -38,7 +40,11 @@ def loader(cfg: Config, layout: Layout, path: Path, split: str, seed_offset: int
     if not shards:
         raise ConfigError(f"data.source {path} has no '{split}' shards")
     dataset = PackedSequences(
-        shards, seq_len=cfg.model.seq_len, seed=cfg.train.seed + seed_offset,
-        dp_rank=layout.dp_rank, dp_size=layout.dp,
+        shards,
+        seq_len=cfg.model.seq_len,
+        seed=cfg.train.seed + seed_offset,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp,
+        shuffle_buffer=cfg.data.shuffle_buffer,
     )
     return DataLoader(dataset, batch_size=cfg.train.micro_batch_size, num_workers=cfg.data.num_workers)

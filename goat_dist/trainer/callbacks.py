@@ -53,7 +53,9 @@ class ConsoleLogger(Callback):
         self._print(f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}")
 
     def on_train_end(self, state):
-        self._print(f"done: {state.step} steps, {state.consumed_tokens:,} tokens, {_fmt_time(state.elapsed_s)}")
+        self._print(
+            f"done: {state.step} steps, {state.consumed_tokens:,} tokens, {_fmt_time(state.elapsed_s)}"
+        )
 
 
 class JsonlLogger(Callback):

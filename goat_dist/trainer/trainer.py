@@ -54,14 +54,23 @@ class Trainer:
         self.cfg = cfg
         self.layout = distributed.init(tp=cfg.parallel.tp)
         m = cfg.model
-        distributed.check_layout(self.layout.world, cfg.parallel.tp, m.num_heads, m.num_kv_heads or m.num_heads,
-                                 m.seq_len, cfg.parallel.sp)
+        distributed.check_layout(
+            self.layout.world,
+            cfg.parallel.tp,
+            m.num_heads,
+            m.num_kv_heads or m.num_heads,
+            m.seq_len,
+            cfg.parallel.sp,
+        )
         self.grad_accum = gradient_accumulation(cfg, self.layout.dp)
         self.run_dir = cfg.run_dir
         self.state = RunState()
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial weights
-        self.model = GPT(m, sequence_parallel=cfg.parallel.sp,
-                         activation_checkpointing=cfg.train.activation_checkpointing == "full")
+        self.model = GPT(
+            m,
+            sequence_parallel=cfg.parallel.sp,
+            activation_checkpointing=cfg.train.activation_checkpointing == "full",
+        )
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
         log = print if self.layout.is_main else (lambda *a, **k: None)
@@ -73,7 +82,10 @@ class Trainer:
             return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.yaml")
-        cbs: list[Callback] = [ConsoleLogger(self.cfg.train.max_steps), JsonlLogger(self.run_dir / "metrics.jsonl")]
+        cbs: list[Callback] = [
+            ConsoleLogger(self.cfg.train.max_steps),
+            JsonlLogger(self.run_dir / "metrics.jsonl"),
+        ]
         if self.cfg.log.tensorboard:
             cbs.append(TensorBoardLogger(self.run_dir / "tensorboard"))
         return cbs
@@ -88,11 +100,18 @@ class Trainer:
         counts = [torch.zeros(1, dtype=torch.long) for _ in range(lay.world)]
         dist.all_gather(counts, torch.tensor([local]))
         record = {
-            "world": lay.world, "tp": lay.tp, "sp": cfg.parallel.sp, "dp": lay.dp,
-            "zero_stage": cfg.parallel.zero_stage, "micro_batch": cfg.train.micro_batch_size,
-            "global_batch": cfg.train.global_batch_size, "grad_accum": self.grad_accum,
-            "params_per_rank": [int(c) for c in counts], "device": str(lay.device),
-            "position": cfg.model.position, "attention_backend": self.model.blocks[0].attn.backend,
+            "world": lay.world,
+            "tp": lay.tp,
+            "sp": cfg.parallel.sp,
+            "dp": lay.dp,
+            "zero_stage": cfg.parallel.zero_stage,
+            "micro_batch": cfg.train.micro_batch_size,
+            "global_batch": cfg.train.global_batch_size,
+            "grad_accum": self.grad_accum,
+            "params_per_rank": [int(c) for c in counts],
+            "device": str(lay.device),
+            "position": cfg.model.position,
+            "attention_backend": self.model.blocks[0].attn.backend,
         }
         lines = [
             f"goat-dist run dir: {self.run_dir}",

@@ -1,0 +1,69 @@
+"""`goat train` end to end in a subprocess, on a tiny model and the builtin corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_goat(args, cwd, timeout=600):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "goat_dist", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_train_writes_run_dir_and_learns(tmp_path, builtin_cache):
+    run_dir = tmp_path / "run"
+    proc = run_goat(
+        [
+            "train",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "train.max_steps=30",
+            "log.interval=5",
+            "train.eval_interval=30",
+            "train.warmup_steps=5",
+            "model.num_layers=2",
+            "model.hidden_size=128",
+            "model.seq_len=128",
+            "train.seed=3",
+            f"data.cache_dir={builtin_cache}",
+            "data.builtin_max_bytes=1000000",
+            f"run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layout: world 1 = TP 1 x DP 1" in proc.stdout
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["train"]["max_steps"] == 30 and cfg["model"]["hidden_size"] == 128
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start = records[0]
+    assert start["event"] == "start" and start["tp"] == 1 and start["dp"] == 1
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 5, 10, 15, 20, 25, 30]
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+    assert any("val_loss" in r for r in records)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_bad_override_fails_before_work(tmp_path):
+    proc = run_goat(["train", "train.max_stepz=3"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "train.max_stepz" in proc.stderr
