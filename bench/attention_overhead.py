@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--pos-rank", type=int, default=4)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} H={args.heads} "

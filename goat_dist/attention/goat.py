@@ -26,7 +26,8 @@ def goat_attention(
     ``position_ids`` (B, L) are absolute positions (packed documents, offsets, context-parallel chunks).
     ``eager`` adds the explicit log-prior matrix; the other backends fold the prior into ``2R+1`` extra
     q/k lanes, so the kernel sees equal head dims for q, k and v and needs no bias tensor. The prior is
-    not divided by the temperature: content is pre-scaled by ``1/sqrt(d_c)`` and the kernel scale is 1.
+    not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and the query lanes carry
+    ``sqrt(d_c)``.
     """
     d_c = q_content.shape[-1]
     if d_c + prior.num_lanes != v.shape[-1]:
@@ -41,9 +42,11 @@ def goat_attention(
     group = q_content.shape[2] // k_content.shape[2]
     if group > 1:
         q_lanes = q_lanes.repeat_interleave(group, dim=2)
-    q = torch.cat([q_content * scale, q_lanes.to(q_content.dtype)], dim=-1)
+    # The kernel applies 1/sqrt(d_c) to every lane, so the query lanes carry sqrt(d_c) to cancel it:
+    # cheaper than rescaling all content lanes, and exact in bf16 up to one rounding of the lanes.
+    q = torch.cat([q_content, (q_lanes * math.sqrt(d_c)).to(q_content.dtype)], dim=-1)
     k = torch.cat([k_content, k_lanes.to(k_content.dtype)], dim=-1)
-    return attend(q, k, v, causal=causal, scale=1.0, backend=backend)
+    return attend(q, k, v, causal=causal, scale=scale, backend=backend)
 
 
 def split_grouped_qkv(mixed: torch.Tensor, num_kv_heads: int, group: int, content_dim: int, head_dim: int):

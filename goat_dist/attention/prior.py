@@ -171,8 +171,11 @@ class GoatPrior(nn.Module):
         u = self.sink_gain * self.sink_mlp(feats)[..., None] + self.sink_bump * (t == 0).float()[..., None]
         if causal:
             # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measure t_j from the
-            # sequence's first position so the lane stays small at any absolute offset.
-            t0 = t.amin(dim=-1, keepdim=True)
+            # middle of the sequence's positions so the lane stays small (|.| <= slope * L / 2) at any
+            # absolute offset. Integer t0 keeps (t - t0) exact.
+            t0 = torch.div(
+                t.amin(dim=-1, keepdim=True) + t.amax(dim=-1, keepdim=True), 2, rounding_mode="floor"
+            )
             u = u + F.softplus(self.recency_slope_raw) * (t - t0)[..., None]
         return u
 
