@@ -63,10 +63,13 @@ def init(tp: int = 1, seed: int = 0) -> Layout:
     apply_cpu_compat()
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # single process, not under torchrun
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:  # torchrun (or Slurm via a launcher) set up the rendezvous
+            dist.init_process_group(backend=backend)
+        else:  # a single process: a private store, so child processes can start worlds of their own
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
+            url = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_goat(args, cwd, timeout=600):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="2")
     return subprocess.run(
         [sys.executable, "-m", "goat_dist", *args],
         cwd=cwd,
