@@ -33,10 +33,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"goat train: {e}", file=sys.stderr)
         return 2
     _quiet_third_party()
+    from .distributed import LayoutError, exit_process
     from .trainer import run
 
-    run(cfg)
-    return 0
+    try:
+        run(cfg)
+    except LayoutError as e:
+        print(f"goat train: {e}", file=sys.stderr)
+        exit_process(2)
+    exit_process(0)  # deterministic teardown; never returns
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,7 +75,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: str = "none"  # none | full
+    activation_checkpointing: str = "none"  # none | full (whole blocks) | selective (attention core)
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 4
 
@@ -224,7 +224,7 @@ def validate(cfg: Config) -> None:
     _choice("model.norm", m.norm, ("rmsnorm", "layernorm"))
     _choice("model.goat.prior_init", m.goat.prior_init, ("seeded", "uniform"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
-    _choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full"))
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
     kv = m.num_kv_heads or m.num_heads

@@ -41,6 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class LayoutError(ValueError):
+    """The parallel layout cannot work (sizes do not divide); raised before any work starts."""
+
+
 def check_layout(world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len: int, sp: bool) -> None:
     """Reject impossible layouts before any work starts, naming the numbers."""
     problems = []
@@ -53,7 +57,7 @@ def check_layout(world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len
     if sp and seq_len % tp:
         problems.append(f"model.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
     if problems:
-        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+        raise LayoutError("impossible parallel layout: " + "; ".join(problems))
 
 
 def init(tp: int = 1, seed: int = 0) -> Layout:

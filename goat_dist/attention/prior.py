@@ -123,9 +123,10 @@ class GoatPrior(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         seeded = self.prior_init == "seeded"
+        heads = slice(self.head_offset, self.head_offset + self.num_kv_heads)
         nn.init.zeros_(self.lambda_asym)
-        if seeded:
-            nn.init.normal_(self.lambda_sym, std=1e-2)
+        if seeded:  # drawn for all heads, then sliced: the same weights (and RNG use) for any TP size
+            self.lambda_sym.copy_(torch.randn(self.total_kv_heads, self.pos_rank)[heads] * 1e-2)
         else:
             nn.init.zeros_(self.lambda_sym)
         if not self.key_bias:
@@ -136,9 +137,7 @@ class GoatPrior(nn.Module):
         self.sink_gain.fill_(1.0)
         self.sink_bump.zero_()
         if seeded:
-            slopes = alibi_slopes(self.total_kv_heads)[
-                self.head_offset : self.head_offset + self.num_kv_heads
-            ]
+            slopes = alibi_slopes(self.total_kv_heads)[heads]
             self.recency_slope_raw.copy_(inverse_softplus(slopes))
         else:
             self.sink_mlp.fc2.weight.zero_()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..attention import GoatPrior, alibi_slopes, attend, goat_attention, split_grouped_qkv
 from ..attention.goat import grouped_qkv_width
@@ -37,6 +38,7 @@ class ParallelSelfAttention(nn.Module):
         self.head_dim = cfg.hidden_size // heads
         self.backend = resolve_backend(cfg.attention_backend)
         self.prior = None
+        self.checkpoint_core = False
         self.content_dim = self.head_dim
         if cfg.position == "goat":
             g = cfg.goat
@@ -82,7 +84,10 @@ class ParallelSelfAttention(nn.Module):
         mixed, _ = self.qkv(x)  # [s, b, local width]; gathers the sequence under SP
         mixed = mixed.transpose(0, 1)
         q, k, v = split_grouped_qkv(mixed, self.local_kv_heads, self.group, self.content_dim, self.head_dim)
-        out = self._attend(q, k, v, position_ids)
+        if self.checkpoint_core and self.training:  # selective recomputation: keep no L x L activations
+            out = checkpoint(self._attend, q, k, v, position_ids, use_reentrant=False)
+        else:
+            out = self._attend(q, k, v, position_ids)
         b, s = out.shape[:2]
         out, _ = self.proj(out.reshape(b, s, -1).transpose(0, 1))  # reduce(-scatter under SP)
         return out

@@ -21,9 +21,13 @@ from .attention import ParallelSelfAttention
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
-    """Round the vocabulary up so every TP rank holds an equal, aligned slice."""
-    step = multiple * tp
-    return math.ceil(vocab_size / step) * step
+    """Round the vocabulary up to ``multiple`` (and, only if needed, to ``multiple * tp``) so every TP
+    rank holds an equal slice; the same size for every TP size whenever possible, so checkpoints and
+    initial weights do not depend on the layout."""
+    padded = math.ceil(vocab_size / multiple) * multiple
+    if padded % tp:
+        padded = math.ceil(vocab_size / (multiple * tp)) * multiple * tp
+    return padded
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -99,7 +103,7 @@ class TransformerBlock(nn.Module):
 
 class GPT(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: bool = False
+        self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: str = "none"
     ):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -127,6 +131,8 @@ class GPT(nn.Module):
         if self.pos_embedding is not None:
             init(self.pos_embedding.weight)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, mp, init, out_init) for _ in range(cfg.num_layers))
+        for block in self.blocks:
+            block.attn.checkpoint_core = activation_checkpointing == "selective"
         self.final_norm = make_norm(cfg, sequence_parallel)
         self.output = None
         if not cfg.tie_embeddings:
@@ -151,7 +157,7 @@ class GPT(nn.Module):
         if self.sequence_parallel:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
+            if self.activation_checkpointing == "full" and self.training:
                 x = checkpoint(block, x, position_ids, use_reentrant=False)
             else:
                 x = block(x, position_ids)

@@ -18,6 +18,7 @@ class Callback:
     def on_train_start(self, state: RunState, info: dict) -> None: ...
     def on_log(self, state: RunState, metrics: dict) -> None: ...
     def on_eval(self, state: RunState, metrics: dict) -> None: ...
+    def on_memory(self, state: RunState, per_rank: dict) -> None: ...
     def on_train_end(self, state: RunState) -> None: ...
 
 
@@ -49,6 +50,10 @@ class ConsoleLogger(Callback):
             f"{_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
         )
 
+    def on_memory(self, state, per_rank):
+        mib = [f"{b / 2**20:.1f}" for b in per_rank["total"]]
+        self._print(f"memory per rank (params + grads + optimizer state), MiB: {', '.join(mib)}")
+
     def on_eval(self, state, metrics):
         self._print(f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}")
 
@@ -76,6 +81,9 @@ class JsonlLogger(Callback):
 
     def on_eval(self, state, metrics):
         self._write({"step": state.step, **metrics})
+
+    def on_memory(self, state, per_rank):
+        self._write({"event": "memory", "step": state.step, "bytes_per_rank": per_rank})
 
 
 class TensorBoardLogger(Callback):

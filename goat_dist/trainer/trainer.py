@@ -12,9 +12,11 @@ from megatron.core import parallel_state
 
 from .. import distributed
 from ..config import Config, save_config
+from ..distributed import LayoutError
 from ..model import GPT
 from .batches import dataset_dir, loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
+from .memory import training_state_bytes
 from .parallelize import parallelize
 from .state import RunState
 
@@ -33,7 +35,7 @@ def gradient_accumulation(cfg: Config, dp: int) -> int:
     t = cfg.train
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
-        raise ValueError(
+        raise LayoutError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
         )
@@ -69,7 +71,7 @@ class Trainer:
         self.model = GPT(
             m,
             sequence_parallel=cfg.parallel.sp,
-            activation_checkpointing=cfg.train.activation_checkpointing == "full",
+            activation_checkpointing=cfg.train.activation_checkpointing,
         )
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
@@ -131,16 +133,28 @@ class Trainer:
     def train_step(self, it) -> float:
         """One optimizer step (``grad_accum`` micro-batches); returns the DP-mean loss."""
         total = torch.zeros((), device=self.layout.device)
-        for _ in range(self.grad_accum):
+        for micro in range(self.grad_accum):
             tokens, positions, labels = self._batch(it)
             with self.autocast():
                 loss = self.engine(tokens, positions, labels)
             self.engine.backward(loss)
+            if self.state.step == 1 and micro == self.grad_accum - 1:
+                # Gradients and optimizer state coexist here (the peak): measure once, in the second step
+                # (the first creates the optimizer state).
+                self._emit("on_memory", self.measure_memory())
             self.engine.step()
             total += loss.detach().float()
         total /= self.grad_accum
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         return total.item() / self.layout.dp
+
+    def measure_memory(self) -> dict:
+        """Per-rank bytes of parameters, gradients and optimizer state, gathered on every rank."""
+        local = training_state_bytes(self.engine.module, self.engine.optimizer)
+        keys = sorted(local)
+        gathered = [torch.zeros(len(keys), dtype=torch.long) for _ in range(self.layout.world)]
+        dist.all_gather(gathered, torch.tensor([local[k] for k in keys]))
+        return {k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -164,6 +178,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         while state.step < cfg.train.max_steps and state.stop_requested is None:
             t0 = time.perf_counter()
+            lr = self.engine.get_lr()[0]  # the rate this step uses
             loss = self.train_step(it)
             state.step += 1
             state.consumed_samples += cfg.train.global_batch_size
@@ -175,7 +190,7 @@ class Trainer:
                 seconds = time.perf_counter() - window_start
                 state.metrics = {
                     "loss": loss,
-                    "lr": self.engine.get_lr()[0],
+                    "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                     "tokens_per_s": tokens_per_step * window_steps / seconds,
                 }
@@ -191,8 +206,7 @@ class Trainer:
 def run(cfg: Config) -> RunState:
     """Entry point of ``goat train``: train, then tear the process groups down cleanly."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    trainer = Trainer(cfg)
     try:
-        return trainer.fit()
+        return Trainer(cfg).fit()
     finally:
         distributed.teardown()

@@ -1,0 +1,54 @@
+"""torchrun worker: one forward/backward of a tiny GPT under the given TP/SP; rank 0 saves the
+gathered (full, TP=1-shaped) gradients. Used by tests/test_scale_out.py."""
+
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from goat_dist import distributed  # noqa: E402
+from goat_dist.config import ModelConfig  # noqa: E402
+from goat_dist.model import GPT  # noqa: E402
+from goat_dist.model.tp_gather import full_tensor  # noqa: E402
+from goat_dist.trainer.parallelize import add_tp_grad_allreduce  # noqa: E402
+
+
+def main(out: str, tp: int, sp: bool, position: str) -> None:
+    layout = distributed.init(tp=tp)
+    cfg = tiny_config(position)
+    torch.manual_seed(0)
+    model = GPT(cfg, sequence_parallel=sp)
+    add_tp_grad_allreduce(model)
+    tokens, positions, labels = tiny_batch(cfg)
+    model(tokens, positions, labels).backward()
+    grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
+    if layout.rank == 0:
+        torch.save(grads, out)
+    distributed.exit_process(0)
+
+
+def tiny_config(position: str) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=300,
+        seq_len=32,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        position=position,
+        attention_backend="sdpa",
+        tie_embeddings=False,
+    )
+
+
+def tiny_batch(cfg: ModelConfig):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
+    positions = torch.arange(cfg.seq_len).expand(2, -1) + torch.tensor([[0], [500]])
+    return tokens[:, :-1], positions, tokens[:, 1:]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sp", sys.argv[4])
