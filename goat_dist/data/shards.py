@@ -21,9 +21,12 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
+from urllib.parse import urlparse
 
 import numpy as np
 from webdataset import tariterators
+from webdataset.gopen import gopen
 from webdataset.writer import TarWriter
 
 from goat_dist.atomic import atomic_write_text, commit_file, temp_path_for
@@ -96,6 +99,7 @@ class ShardWriter:
         shard_size_mb: float = 64,
         *,
         vocab_size: int,
+        start_index: int = 0,
     ):
         if shard_size_mb <= 0:
             raise ValueError(f"shard_size_mb must be positive, got {shard_size_mb}")
@@ -108,6 +112,10 @@ class ShardWriter:
         self.vocab_size = vocab_size
         self.field = ids_field(vocab_size)
         self.dtype = FIELDS[self.field]
+        if start_index < 0:
+            raise ValueError(f"start_index must be >= 0, got {start_index}")
+        # a restarted writer continues the numbering of shards already finished by an earlier run
+        self.start_index = start_index
         self.shards: list[dict] = []
         self._keys: set[str] = set()
         self._file = None
@@ -154,7 +162,7 @@ class ShardWriter:
             self._finish()
 
     def _open(self) -> None:
-        self._name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        self._name = f"{self.prefix}-{self.start_index + len(self.shards):06d}.tar"
         self._tmp = temp_path_for(self.out_dir / self._name)
         self._file = open(self._tmp, "wb")
         self._hashing = _HashingFile(self._file)
@@ -216,11 +224,16 @@ def read_manifest(dataset_dir: str | os.PathLike) -> dict:
     """
     path = Path(dataset_dir) / MANIFEST_NAME
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"dataset manifest not found: {path}") from None
+    return parse_manifest(data, path)
+
+
+def parse_manifest(data: bytes | str, path: object) -> dict:
+    """Parse and sanity-check manifest JSON; `path` only names the source in errors."""
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exn:
         raise ValueError(f"dataset manifest {path} is not valid JSON: {exn}") from exn
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -269,7 +282,22 @@ def decode_ids(sample: dict, shard: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def _iter_shard(path: str) -> Iterator[tuple[str, np.ndarray]]:
+def is_url(path: str) -> bool:
+    """True for `scheme:...` shard locations (pipe:, http:, s3:, ...) that webdataset's gopen opens."""
+    scheme = urlparse(path).scheme
+    return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
+
+
+def open_shard(path: str) -> IO[bytes]:
+    """Open a local shard or any URL webdataset's `gopen` accepts; errors name the shard."""
+    try:
+        return gopen(path, "rb") if is_url(path) else open(path, "rb")
+    except Exception as exn:
+        raise ShardError(f"cannot open shard {path}: {exn}") from exn
+
+
+def iter_tar_documents(stream: IO[bytes], shard: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, ids) of every sample of an open tar stream; errors name `shard` and the sample."""
     member = None  # last tar member whose header was read: where an error hits
 
     def note_member(fname: str) -> bool:
@@ -277,24 +305,35 @@ def _iter_shard(path: str) -> Iterator[tuple[str, np.ndarray]]:
         member = fname
         return True
 
+    files = tariterators.tar_file_expander([{"url": shard, "stream": stream}], select_files=note_member)
+    samples = iter(tariterators.group_by_keys(files))
+    while True:
+        try:
+            sample = next(samples)
+        except StopIteration:
+            return
+        except Exception as exn:
+            key = None if member is None else member.split(".")[0]
+            where = "before the first sample" if key is None else f"at or after sample {key!r}"
+            detail = exn.args[0] if exn.args else repr(exn)
+            raise ShardError(f"corrupt or truncated shard {shard} ({where}): {detail}") from exn
+        yield sample["__key__"], decode_ids(sample, shard)
+
+
+def _iter_shard(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    f = open_shard(path)
     try:
-        f = open(path, "rb")
-    except OSError as exn:
-        raise ShardError(f"cannot open shard {path}: {exn}") from exn
-    with f:
-        files = tariterators.tar_file_expander([{"url": path, "stream": f}], select_files=note_member)
-        samples = iter(tariterators.group_by_keys(files))
-        while True:
-            try:
-                sample = next(samples)
-            except StopIteration:
-                return
-            except Exception as exn:
-                key = None if member is None else member.split(".")[0]
-                where = "before the first sample" if key is None else f"at or after sample {key!r}"
-                detail = exn.args[0] if exn.args else repr(exn)
-                raise ShardError(f"corrupt or truncated shard {path} ({where}): {detail}") from exn
-            yield sample["__key__"], decode_ids(sample, path)
+        yield from iter_tar_documents(f, path)
+    except BaseException:
+        try:
+            f.close()
+        except Exception:
+            pass  # the error in hand says more than a pipe's exit status
+        raise
+    try:
+        f.close()
+    except Exception as exn:  # a `pipe:` command that failed reports it when closed
+        raise ShardError(f"shard {path}: {exn}") from exn
 
 
 def iter_documents(shard_paths: Iterable[str | os.PathLike]) -> Iterator[tuple[str, np.ndarray]]:

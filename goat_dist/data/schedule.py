@@ -1,0 +1,125 @@
+"""Index arithmetic of the sample stream: which source, epoch, shard order and window feed sample n.
+
+Why: exact resume and worker/rank independence need the answer to "where does global sample n
+come from" to be a pure function of (seed, n, manifest token counts), computable without reading
+any data. Nothing in this module touches a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Mixture assignment is stratified per chunk of this many global samples: each chunk holds
+# round(MIX_CHUNK * weight) samples of every source, in a seeded random order.
+MIX_CHUNK = 4096
+# Windows read together when the stream is not shuffled (reading granularity only).
+READ_BLOCK = 256
+_MIX_TAG, _SHARD_TAG, _BLOCK_TAG = 0x6D6978, 0x736872, 0x626C6B  # separate the RNG streams
+
+
+def _quotas(weights: Sequence[float], total: int) -> np.ndarray:
+    """Integer counts summing to `total`, proportional to `weights` (largest remainder, ties by index)."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = w / w.sum() * total
+    q = np.floor(exact).astype(np.int64)
+    rest = total - int(q.sum())
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - q[i]), i))
+    q[order[:rest]] += 1
+    return q
+
+
+class Mixture:
+    """Source of every global sample: global sample n -> (source s, index j in source s's stream).
+
+    Chunk c (samples [c*C, (c+1)*C)) is a permutation, seeded by (seed, c), of a fixed multiset
+    with quota_s samples of source s. So j = c * quota_s + (rank of n among chunk c's s-samples),
+    an O(1) computation for any n, and observed proportions deviate from the weights by at most
+    ~1/C at chunk boundaries and by random-permutation noise inside a chunk.
+    """
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        self.n_sources = len(weights)
+        self.seed = seed
+        self.quota = _quotas(weights, MIX_CHUNK)
+        if (self.quota == 0).any():
+            small = [i for i, q in enumerate(self.quota) if q == 0]
+            raise ValueError(f"source weights {small} are below 1/{MIX_CHUNK} of the total; raise them")
+        self._starts = np.concatenate([[0], np.cumsum(self.quota)[:-1]])
+        self._chunk = -1
+
+    def _load(self, c: int) -> None:
+        base = np.repeat(np.arange(self.n_sources), self.quota)
+        src = base[np.random.default_rng([self.seed, _MIX_TAG, c]).permutation(MIX_CHUNK)]
+        order = np.argsort(src, kind="stable")
+        rank = np.empty(MIX_CHUNK, dtype=np.int64)
+        rank[order] = np.arange(MIX_CHUNK) - self._starts[src[order]]
+        self._src, self._j = src, rank + c * self.quota[src]
+        self._chunk = c
+
+    def locate(self, n: int) -> tuple[int, int]:
+        if self.n_sources == 1:
+            return 0, n
+        c, i = divmod(n, MIX_CHUNK)
+        if c != self._chunk:
+            self._load(c)
+        return int(self._src[i]), int(self._j[i])
+
+
+class SourceSchedule:
+    """Window layout of one source's stream, epoch after epoch.
+
+    Epoch e reads the shards in `shard_order(e)` (seeded permutation, or manifest order when not
+    shuffled) and concatenates their documents into one token stream of T tokens (T from the
+    manifest, the same every epoch). Window w covers tokens [w*L, w*L + L + 1) of that stream, so
+    an epoch has N = (T - 1) // L windows; the tail is dropped. Positions p = 0..N-1 of the epoch
+    are grouped into blocks of `block` positions; position p shows window
+    `block_start + perm_b[p - block_start]` with perm_b a seeded permutation of the block (the
+    identity when not shuffled). Stream index j is position j % N of epoch j // N.
+    """
+
+    def __init__(
+        self,
+        n_tokens: Sequence[int],
+        seq_len: int,
+        seed: int,
+        source_index: int,
+        shuffle_buffer: int,
+        shuffle: bool = True,
+    ):
+        self.n_tokens = tuple(int(n) for n in n_tokens)
+        self.seq_len = seq_len
+        self.total_tokens = sum(self.n_tokens)
+        self.windows = (self.total_tokens - 1) // seq_len if self.total_tokens > 0 else 0
+        self.seed = seed
+        self.source_index = source_index
+        self.shuffle = shuffle
+        self.shuffle_windows = shuffle and shuffle_buffer > 1
+        self.block = shuffle_buffer if self.shuffle_windows else READ_BLOCK
+        self._perm_key: tuple[int, int] | None = None
+
+    def shard_order(self, epoch: int) -> list[int]:
+        """Indices of the shards (manifest order) in the order epoch `epoch` reads them."""
+        if not self.shuffle:
+            return list(range(len(self.n_tokens)))
+        rng = np.random.default_rng([self.seed, _SHARD_TAG, self.source_index, epoch])
+        return [int(i) for i in rng.permutation(len(self.n_tokens))]
+
+    def block_span(self, b: int) -> tuple[int, int]:
+        """First window and number of windows of block b."""
+        first = b * self.block
+        return first, min(self.block, self.windows - first)
+
+    def locate(self, j: int) -> tuple[int, int, int]:
+        """(epoch, block, window) of stream index j."""
+        epoch, p = divmod(j, self.windows)
+        b, i = divmod(p, self.block)
+        if not self.shuffle_windows:
+            return epoch, b, p
+        if self._perm_key != (epoch, b):
+            first, count = self.block_span(b)
+            rng = np.random.default_rng([self.seed, _BLOCK_TAG, self.source_index, epoch, b])
+            self._perm = first + rng.permutation(count)
+            self._perm_key = (epoch, b)
+        return epoch, b, int(self._perm[i])
