@@ -33,15 +33,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"goat train: {e}", file=sys.stderr)
         return 2
     _quiet_third_party()
+    from .checkpoint import CheckpointError
     from .distributed import LayoutError, exit_process
     from .trainer import run
+    from .trainer.signals import EXIT_CHECKPOINTED
 
     try:
-        run(cfg)
-    except LayoutError as e:
+        state = run(cfg)
+    except (LayoutError, CheckpointError) as e:
         print(f"goat train: {e}", file=sys.stderr)
         exit_process(2)
-    exit_process(0)  # deterministic teardown; never returns
+    # deterministic teardown; never returns. A run stopped by a signal exits EXIT_CHECKPOINTED (75).
+    exit_process(EXIT_CHECKPOINTED if state.stop_requested else 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,6 +78,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full (whole blocks) | selective (attention core)
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 4
+    resume: str = "auto"  # auto (latest checkpoint of the run dir, if any) | never | <checkpoint step dir>
 
 
 @dataclass
@@ -87,6 +88,14 @@ class DataConfig:
     builtin_max_bytes: int = 8_000_000
     num_workers: int = 0
     shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0: only at the end and on preemption signals
+    interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
+    keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
+    save_at_end: bool = True
 
 
 @dataclass
@@ -107,6 +116,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -35,7 +35,7 @@ def dataset_dir(cfg: Config, layout: Layout, log=print) -> Path:
     return path
 
 
-def loader(cfg: Config, layout: Layout, path: Path, split: str, seed_offset: int = 0) -> DataLoader:
+def loader(cfg: Config, layout: Layout, path: Path, split: str, seed_offset: int = 0, start_sample: int = 0):
     shards = split_shard_paths(path, split)
     if not shards:
         raise ConfigError(f"data.source {path} has no '{split}' shards")
@@ -47,4 +47,10 @@ def loader(cfg: Config, layout: Layout, path: Path, split: str, seed_offset: int
         dp_size=layout.dp,
         shuffle_buffer=cfg.data.shuffle_buffer,
     )
-    return DataLoader(dataset, batch_size=cfg.train.micro_batch_size, num_workers=cfg.data.num_workers)
+    batches = iter(
+        DataLoader(dataset, batch_size=cfg.train.micro_batch_size, num_workers=cfg.data.num_workers)
+    )
+    per_rank = start_sample // layout.dp  # this rank's share of the samples already consumed
+    for _ in range(per_rank // cfg.train.micro_batch_size):
+        next(batches)
+    return batches

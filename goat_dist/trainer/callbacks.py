@@ -19,6 +19,7 @@ class Callback:
     def on_log(self, state: RunState, metrics: dict) -> None: ...
     def on_eval(self, state: RunState, metrics: dict) -> None: ...
     def on_memory(self, state: RunState, per_rank: dict) -> None: ...
+    def on_checkpoint(self, state: RunState, info: dict) -> None: ...
     def on_train_end(self, state: RunState) -> None: ...
 
 
@@ -49,6 +50,9 @@ class ConsoleLogger(Callback):
             f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s | "
             f"{_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
         )
+
+    def on_checkpoint(self, state, info):
+        self._print(f"checkpoint step {state.step} -> {info['path']} ({info['save_s']:.1f} s)")
 
     def on_memory(self, state, per_rank):
         mib = [f"{b / 2**20:.1f}" for b in per_rank["total"]]
@@ -81,6 +85,9 @@ class JsonlLogger(Callback):
 
     def on_eval(self, state, metrics):
         self._write({"step": state.step, **metrics})
+
+    def on_checkpoint(self, state, info):
+        self._write({"event": "checkpoint", "step": state.step, **info})
 
     def on_memory(self, state, per_rank):
         self._write({"event": "memory", "step": state.step, "bytes_per_rank": per_rank})

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from megatron.core import parallel_state
 
 from .. import distributed
+from ..checkpoint import CheckpointManager, tag_for
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
@@ -18,6 +22,7 @@ from .batches import dataset_dir, loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .memory import training_state_bytes
 from .parallelize import parallelize
+from .signals import StopSignals
 from .state import RunState
 
 
@@ -29,6 +34,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
+    """An order-sensitive integer digest of a batch's tokens: equal digests per step mean the same data,
+    which is how exact resume of the data stream is checked (metrics.jsonl ``data_fingerprint``)."""
+    weights = torch.arange(1, tokens.numel() + 1, dtype=torch.long).view_as(tokens) % 1_000_003
+    return (tokens.cpu().long() * weights).sum().view(1)
 
 
 def gradient_accumulation(cfg: Config, dp: int) -> int:
@@ -78,6 +90,54 @@ class Trainer:
         log = print if self.layout.is_main else (lambda *a, **k: None)
         self.data_dir = dataset_dir(cfg, self.layout, log=log)
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main)
+        self.resumed_from = self._resume()
+        self.signals = StopSignals()
+
+    def _resume(self) -> Path | None:
+        """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path."""
+        choice = self.cfg.train.resume
+        if choice == "never":
+            return None
+        path = self.checkpoints.latest() if choice == "auto" else Path(choice)
+        if path is None:
+            return None
+        saved = self.checkpoints.load(self.engine, path)
+        self.state.load_state_dict(saved["run_state"])
+        if self.layout.is_main:
+            print(f"resumed from {path} (step {self.state.step}, {self.state.consumed_tokens:,} tokens)")
+        return path
+
+    def save_checkpoint(self) -> Path:
+        lay = self.layout
+        trainer_state = {
+            "step": self.state.step,
+            "run_state": self.state.state_dict(),
+            "world": lay.world,
+            "tp": lay.tp,
+            "dp": lay.dp,
+            "zero_stage": self.cfg.parallel.zero_stage,
+        }
+        path = self.checkpoints.save(
+            self.engine,
+            trainer_state,
+            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+            fault_hook=_fault_hook,
+        )
+        self._last_save_time = time.monotonic()
+        self._emit("on_checkpoint", {"path": str(path), "save_s": trainer_state["last_save_s"]})
+        return path
+
+    def _checkpoint_due(self) -> bool:
+        c, step = self.cfg.checkpoint, self.state.step
+        if c.interval and step % c.interval == 0:
+            return True
+        minutes = c.interval_minutes and (time.monotonic() - self._last_save_time) / 60 >= c.interval_minutes
+        if not minutes:
+            return False
+        due = torch.tensor([1])  # wall clocks differ between ranks: rank 0 decides for all
+        dist.broadcast(due, src=0)
+        return bool(due.item())
 
     def _default_callbacks(self) -> list[Callback]:
         if not self.layout.is_main:
@@ -133,12 +193,14 @@ class Trainer:
     def train_step(self, it) -> float:
         """One optimizer step (``grad_accum`` micro-batches); returns the DP-mean loss."""
         total = torch.zeros((), device=self.layout.device)
+        fingerprint = torch.zeros(1, dtype=torch.long)
         for micro in range(self.grad_accum):
             tokens, positions, labels = self._batch(it)
+            fingerprint += batch_fingerprint(tokens)
             with self.autocast():
                 loss = self.engine(tokens, positions, labels)
             self.engine.backward(loss)
-            if self.state.step == 1 and micro == self.grad_accum - 1:
+            if self.state.step == self._first_step + 1 and micro == self.grad_accum - 1:
                 # Gradients and optimizer state coexist here (the peak): measure once, in the second step
                 # (the first creates the optimizer state).
                 self._emit("on_memory", self.measure_memory())
@@ -146,6 +208,8 @@ class Trainer:
             total += loss.detach().float()
         total /= self.grad_accum
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(fingerprint, group=parallel_state.get_data_parallel_group())
+        self.state.metrics["data_fingerprint"] = int(fingerprint.item())
         return total.item() / self.layout.dp
 
     def measure_memory(self) -> dict:
@@ -173,10 +237,26 @@ class Trainer:
     def fit(self) -> RunState:
         cfg, state = self.cfg, self.state
         self._emit("on_train_start", self.start_info())
-        it = iter(loader(cfg, self.layout, self.data_dir, "train"))
+        it = iter(loader(cfg, self.layout, self.data_dir, "train", start_sample=state.consumed_samples))
         tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         window_start, window_steps = time.perf_counter(), 0
-        while state.step < cfg.train.max_steps and state.stop_requested is None:
+        self._last_save_time = time.monotonic()
+        self._first_step = state.step
+        self.signals.install()
+        try:
+            self._loop(it, tokens_per_step, window_start, window_steps)
+        finally:
+            self.signals.uninstall()
+        saved_last = self.checkpoints.latest()
+        if cfg.checkpoint.save_at_end and (saved_last is None or saved_last.name != tag_for(state.step)):
+            if state.stop_requested is None and state.step > self._first_step:
+                self.save_checkpoint()
+        self._emit("on_train_end")
+        return state
+
+    def _loop(self, it, tokens_per_step, window_start, window_steps) -> None:
+        cfg, state = self.cfg, self.state
+        while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = self.engine.get_lr()[0]  # the rate this step uses
             loss = self.train_step(it)
@@ -189,6 +269,7 @@ class Trainer:
             if state.step % cfg.log.interval == 0 or last or state.step == 1:
                 seconds = time.perf_counter() - window_start
                 state.metrics = {
+                    "data_fingerprint": state.metrics["data_fingerprint"],
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
@@ -199,8 +280,21 @@ class Trainer:
             if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
                 self._emit("on_eval", {"val_loss": self.evaluate()})
                 window_start = time.perf_counter()
-        self._emit("on_train_end")
-        return state
+            reason = self.signals.agreed()
+            if reason or self._checkpoint_due():
+                self.save_checkpoint()
+                window_start = time.perf_counter()
+            if reason:
+                state.stop_requested = reason
+                return
+
+
+def _fault_hook(point: str, step_dir: Path) -> None:
+    """Test hook: ``GOAT_FAULT=before_publish:<step>`` kills the process after the shards of that step are
+    written and before the checkpoint is published (a crash mid-save)."""
+    spec = os.environ.get("GOAT_FAULT", "")
+    if spec == f"{point}:{int(step_dir.name.split('_')[1])}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(cfg: Config) -> RunState:

@@ -1,0 +1,137 @@
+"""Data pipeline throughput, side by side on this machine.
+
+1. `goat data prepare` (the real command, --workers W) vs raw `tokenizers` encode_batch on the
+   same text with the same W: the best of (W single-threaded encode_batch processes, one
+   encode_batch process with the tokenizer's own threads). Ratio target >= 0.8.
+2. Loader tokens/s at seq_len 2048, micro-batch 8, 2 DataLoader workers, vs the ~150k tokens/s a
+   125M model trains at on one H100 (target >= 5M tokens/s per process).
+Text: the builtin corpus (Python stdlib docstrings and sources). Last line: the prepare ratio.
+
+    python bench/data_throughput.py [--max-bytes 8000000] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from pathlib import Path
+
+H100_125M_TOKENS_PER_S = 150_000
+
+
+def _encode_init(tokenizer_json: str) -> None:
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _tok
+    _tok = Tokenizer.from_str(tokenizer_json)
+
+
+def _encode_count(texts: list[str]) -> int:
+    return sum(len(e.ids) for e in _tok.encode_batch(texts, add_special_tokens=False))
+
+
+def raw_encode_tokens_per_s(docs: list[str], tokenizer_path: Path, workers: int) -> tuple[float, float]:
+    """(pool of `workers` processes, one process with the tokenizer's threads) tokens/s."""
+    from goat_dist.data.prepare import CHUNK_BYTES, CHUNK_DOCS
+    from goat_dist.data.tokenizer import load_tokenizer
+
+    chunks, chunk, size = [], [], 0
+    for d in docs:
+        chunk.append(d)
+        size += len(d)
+        if len(chunk) >= CHUNK_DOCS or size >= CHUNK_BYTES:
+            chunks.append(chunk)
+            chunk, size = [], 0
+    chunks += [chunk] if chunk else []
+    tok_json = Path(tokenizer_path).read_text()
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(workers, _encode_init, (tok_json,)) as pool:
+        n = sum(pool.imap(_encode_count, chunks))
+    pool_rate = n / (time.perf_counter() - t0)
+
+    tok = load_tokenizer(tokenizer_path)
+    t0 = time.perf_counter()
+    n = sum(len(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False))
+    return pool_rate, n / (time.perf_counter() - t0)
+
+
+def prepare_tokens_per_s(docs: list[str], tokenizer_path: Path, out: Path, workers: int) -> float:
+    from goat_dist.data.commands import register
+
+    src = out.parent / "corpus.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["data", "prepare", "--input", str(src), "--tokenizer", str(tokenizer_path), "--out", str(out)]
+        + ["--workers", str(workers), "--shard-size", "16", "--no-progress"]
+    )
+    t0 = time.perf_counter()
+    if args.func(args) != 0:
+        raise SystemExit("prepare failed")
+    seconds = time.perf_counter() - t0
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(e["n_tokens"] - e["n_docs"] for s in manifest["splits"].values() for e in s)  # without EOS
+    return tokens / seconds
+
+
+def loader_tokens_per_s(dataset: Path, seq_len: int, micro_batch: int, workers: int, batches: int) -> float:
+    from goat_dist.data.loader import build_train_loader
+
+    loader = build_train_loader(
+        [{"path": str(dataset), "weight": 1.0}], seq_len, micro_batch, 0, 1, seed=0, num_workers=workers
+    )
+    it = iter(loader)
+    for _ in range(2 * max(workers, 1)):  # start-up and first blocks
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        b = next(it)
+    rate = batches * b["tokens"].numel() / (time.perf_counter() - t0)
+    del it
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-bytes", type=int, default=8_000_000, help="builtin corpus size")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=400)
+    a = ap.parse_args()
+
+    from goat_dist.data import stdlib_documents, train_bpe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        docs = stdlib_documents(a.max_bytes)
+        tok_path = tmp / "tokenizer.json"
+        train_bpe(docs, 4096, tok_path)
+        mb = sum(len(d.encode()) for d in docs) / 1e6
+        print(f"corpus: {len(docs)} stdlib documents, {mb:.1f} MB; byte-level BPE, vocab 4096; {a.workers} workers")
+
+        pool_rate, threads_rate = raw_encode_tokens_per_s(docs, tok_path, a.workers)
+        raw = max(pool_rate, threads_rate)
+        prep = prepare_tokens_per_s(docs, tok_path, tmp / "ds", a.workers)
+        loader = loader_tokens_per_s(tmp / "ds", 2048, 8, 2, a.batches)
+
+    print()
+    print(f"{'':44}{'tokens/s':>14}")
+    print(f"{'encode_batch, pool of %d processes' % a.workers:44}{pool_rate:>14,.0f}")
+    print(f"{'encode_batch, one process, own threads':44}{threads_rate:>14,.0f}")
+    print(f"{'goat data prepare --workers %d' % a.workers:44}{prep:>14,.0f}")
+    print(f"{'loader, seq 2048, micro-batch 8, 2 workers':44}{loader:>14,.0f}")
+    print(f"{'125M model on one H100 (consumes)':44}{H100_125M_TOKENS_PER_S:>14,.0f}")
+    print()
+    print(f"loader / H100 125M consumption: {loader / H100_125M_TOKENS_PER_S:.1f}x (target: >= 5M tokens/s)")
+    print(f"prepare / encode_batch (pipeline overhead ratio, target >= 0.8): {prep / raw:.2f}")
+
+
+if __name__ == "__main__":
+    main()

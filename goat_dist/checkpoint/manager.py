@@ -1,0 +1,156 @@
+"""Sharded checkpoints with atomic publish.
+
+Layout of ``<run_dir>/checkpoints/``::
+
+    step_00000020/           DeepSpeed's shards (each rank writes its own model/optimizer files),
+                             rng_rank<R>.pt (every rank), trainer_state.json, config.yaml,
+                             manifest.json (sizes + sha256 of every file; written last)
+    latest                   the tag of the newest complete checkpoint (temp + fsync + rename)
+
+A checkpoint counts only once ``latest`` names it, which happens after every rank finished writing and
+the manifest exists: a crash at any point before leaves the previous checkpoint as ``latest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..atomic import atomic_write_text
+from . import rng
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the step and the file."""
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(step_dir: Path, extra: dict) -> None:
+    files = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[str(path.relative_to(step_dir))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    atomic_write_text(step_dir / MANIFEST, json.dumps({"files": files, **extra}, indent=1))
+
+
+def verify(step_dir: Path, checksums: bool = True) -> dict:
+    """The manifest of a complete, intact checkpoint; raises CheckpointError naming what is wrong."""
+    step_dir = Path(step_dir)
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete: no {MANIFEST} (interrupted save?)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
+    for name, meta in manifest["files"].items():
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {step_dir} (step {manifest.get('step')}): missing file {name}")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {step_dir} (step {manifest.get('step')}): {name} has {size} bytes, "
+                f"expected {meta['bytes']} (truncated?)"
+            )
+        if checksums and _sha256(path) != meta["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {step_dir} (step {manifest.get('step')}): {name} checksum mismatch"
+            )
+    return manifest
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.is_main = is_main
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        return self.root / pointer.read_text().strip()
+
+    # ---- saving -----------------------------------------------------------------------------------
+    def save(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
+        """Collective: every rank calls it. Returns the published step directory."""
+        started = time.perf_counter()
+        step = trainer_state["step"]
+        tag = tag_for(step)
+        step_dir = self.root / tag
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if step_dir.exists():  # a leftover of an interrupted save of the same step
+                shutil.rmtree(step_dir)
+        dist.barrier()
+        engine.save_checkpoint(str(self.root), tag=tag, client_state={}, save_latest=False)
+        torch.save(rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
+        if self.is_main:
+            atomic_write_text(step_dir / STATE, json.dumps(trainer_state, indent=1))
+            atomic_write_text(step_dir / "config.yaml", config_text)
+        dist.barrier()  # every shard is on disk
+        if fault_hook is not None:
+            fault_hook("before_publish", step_dir)
+        if self.is_main:
+            write_manifest(step_dir, {"step": step, "saved_at": time.time()})
+            atomic_write_text(self.root / "latest", tag)
+            self._prune(keep=tag)
+        dist.barrier()
+        trainer_state["last_save_s"] = time.perf_counter() - started
+        return step_dir
+
+    def _prune(self, keep: str) -> None:
+        if self.keep_last <= 0:
+            return
+        complete = sorted(p for p in self.root.glob("step_*") if (p / MANIFEST).is_file())
+        for old in complete[: -self.keep_last]:
+            if old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+        for partial in self.root.glob("step_*"):  # interrupted saves older than the new checkpoint
+            if not (partial / MANIFEST).is_file() and partial.name < keep:
+                shutil.rmtree(partial, ignore_errors=True)
+
+    # ---- loading ----------------------------------------------------------------------------------
+    def load(self, engine, step_dir: Path) -> dict:
+        """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state."""
+        step_dir = Path(step_dir)
+        error = ""
+        try:
+            verify(step_dir, checksums=self.is_main)
+        except CheckpointError as e:
+            error = str(e)
+        failed = torch.tensor([1 if error else 0])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks stop together, none loads a partial
+        if failed.item():
+            raise CheckpointError(error or f"checkpoint {step_dir} failed verification on another rank")
+        path, _ = engine.load_checkpoint(
+            str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load {step_dir}")
+        state = json.loads((step_dir / STATE).read_text())
+        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
+        if rng_file.is_file() and state.get("world") == dist.get_world_size():
+            rng.restore(torch.load(rng_file, weights_only=True))
+        return state

@@ -1,0 +1,128 @@
+"""`goat data ...` subcommands: tokenizer training, corpus preparation, data set inspection.
+
+Why: the trainer reads shard directories; these commands make and check them. Exit codes: 0 ok,
+1 bad data (input named by file and line, corrupt shards named), 2 bad arguments or output dir.
+Call `register(subparsers)` from the main parser; every command sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from goat_dist.data.inputs import InputError, expand_inputs, iter_inputs
+
+
+def _error(cmd: str, exn: BaseException, code: int) -> int:
+    print(f"goat data {cmd}: error: {exn}", file=sys.stderr)
+    return code
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from goat_dist.data.tokenizer import train_bpe
+
+    try:
+        files = expand_inputs(args.input)
+        texts = (text for text, _ in iter_inputs(files, args.text_field))
+        tok = train_bpe(texts, args.vocab_size, args.out)
+    except InputError as exn:
+        return _error("tokenizer train", exn, 1)
+    except (ValueError, FileNotFoundError) as exn:
+        return _error("tokenizer train", exn, 2)
+    print(f"[data] tokenizer with {tok.get_vocab_size():,} tokens from {len(files)} file(s) -> {args.out}")
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The prepare command as a shell line (recorded in the manifest; --workers left out: no effect)."""
+    parts = ["goat", "data", "prepare", "--input", *args.input, "--tokenizer", args.tokenizer]
+    parts += ["--out", args.out, "--text-field", args.text_field, "--shard-size", str(args.shard_size)]
+    if args.val_docs is not None:
+        parts += ["--val-docs", str(args.val_docs)]
+    else:
+        parts += ["--val-fraction", str(args.val_fraction)]
+    parts += ["--prefix", args.prefix, "--val-prefix", args.val_prefix]
+    return shlex.join(parts)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from goat_dist.data.prepare import PrepareError, prepare
+
+    try:
+        prepare(
+            args.input,
+            args.tokenizer,
+            args.out,
+            text_field=args.text_field,
+            workers=args.workers,
+            shard_size_mb=args.shard_size,
+            val_fraction=0.01 if args.val_fraction is None else args.val_fraction,
+            val_docs=args.val_docs,
+            prefix=args.prefix,
+            val_prefix=args.val_prefix,
+            command=_command_line(args),
+            show_progress=not args.no_progress,
+        )
+    except InputError as exn:
+        return _error("prepare", exn, 1)
+    except (PrepareError, ValueError, FileNotFoundError) as exn:
+        return _error("prepare", exn, 2)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from goat_dist.data.inspection import inspect_dataset
+
+    try:
+        corrupt = inspect_dataset(args.dir, decode=args.decode, tokenizer=args.tokenizer)
+    except (ValueError, FileNotFoundError) as exn:
+        return _error("inspect", exn, 2)
+    return 1 if corrupt else 0
+
+
+def _add_tokenizer(sub) -> None:
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
+    t = tsub.add_parser("train", help="train a byte-level BPE tokenizer on text/JSONL/Parquet inputs")
+    t.add_argument("--input", nargs="+", required=True, help="files, directories or globs")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--out", required=True, help="tokenizer.json to write")
+    t.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    t.set_defaults(func=cmd_tokenizer_train)
+
+
+def _add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val shards with a manifest")
+    p.add_argument("--input", nargs="+", required=True, help="files, directories or globs (.gz/.zst ok)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json (copied into the output)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (0: inline)")
+    p.add_argument("--shard-size", type=float, default=64.0, metavar="MB", help="shard size (default 64)")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, default=None, help="val share of documents (default 0.01)")
+    val.add_argument("--val-docs", type=int, default=None, help="exactly this many val documents")
+    p.add_argument("--prefix", default="train", help="train shard name prefix (default: train)")
+    p.add_argument("--val-prefix", default="val", help="val shard name prefix (default: val)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="counts, length histogram, samples; verify every shard")
+    p.add_argument("dir", help="data set directory (with manifest.json)")
+    p.add_argument("--decode", type=int, default=0, metavar="N", help="decode N sample documents")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the data set's own)")
+    p.set_defaults(func=cmd_inspect)
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `data` command group to an argparse subparsers object; returns its parser."""
+    data = subparsers.add_parser("data", help="prepare and inspect tokenized data sets")
+    sub = data.add_subparsers(dest="data_command", required=True)
+    _add_tokenizer(sub)
+    _add_prepare(sub)
+    _add_inspect(sub)
+    return data

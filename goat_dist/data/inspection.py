@@ -1,0 +1,130 @@
+"""`goat data inspect`: what a data set holds, and whether every shard matches its manifest.
+
+Why: before a long run, check that the shards are complete and readable (a truncated copy or a
+bit flip shows up here, by shard name, not hours into training) and look at what was tokenized.
+Each shard is read once: its sha256 and size are compared with the manifest, every sample is
+decoded, and the document/token counts and id range are checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from goat_dist.data.shards import ShardError, iter_tar_documents, read_manifest
+from goat_dist.data.tokenizer import load_tokenizer
+
+HIST_BINS = 20  # powers of two: [1, 2), [2, 4), ...
+
+
+@dataclass
+class ShardReport:
+    name: str
+    problems: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    first_docs: list[tuple[str, np.ndarray]] = field(default_factory=list)
+
+
+def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) -> ShardReport:
+    """Verify one shard against its manifest entry; collects document lengths."""
+    report = ShardReport(entry["name"])
+    if not path.is_file():
+        report.problems.append("missing")
+        return report
+    data = path.read_bytes()
+    if len(data) != entry.get("bytes"):
+        report.problems.append(f"{len(data)} bytes, manifest says {entry.get('bytes')}")
+    if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        report.problems.append("sha256 differs from the manifest")
+    tokens = 0
+    try:
+        for key, ids in iter_tar_documents(io.BytesIO(data), str(path)):
+            report.lengths.append(ids.size)
+            tokens += ids.size
+            top = int(ids.max())
+            if top >= vocab_size:
+                report.problems.append(f"sample {key!r}: token id {top} >= vocab_size {vocab_size}")
+            if len(report.first_docs) < keep_docs:
+                report.first_docs.append((key, ids))
+    except ShardError as exn:
+        report.problems.append(str(exn))
+    if len(report.lengths) != entry.get("n_docs") or tokens != entry.get("n_tokens"):
+        report.problems.append(
+            f"read {len(report.lengths)} documents / {tokens} tokens, manifest says "
+            f"{entry.get('n_docs')} / {entry.get('n_tokens')}"
+        )
+    return report
+
+
+def histogram(lengths: list[int], width: int = 40) -> list[str]:
+    """Text histogram of document lengths (tokens) in power-of-two bins."""
+    if not lengths:
+        return ["  (no documents)"]
+    bins = np.minimum(np.log2(np.maximum(lengths, 1)).astype(int), HIST_BINS - 1)
+    counts = np.bincount(bins, minlength=HIST_BINS)
+    lo, hi = int(bins.min()), int(bins.max())
+    peak = counts.max()
+    rows = []
+    for b in range(lo, hi + 1):
+        bar = "#" * int(round(width * counts[b] / peak))
+        rows.append(f"  {2**b:>8,}-{2 ** (b + 1) - 1:<8,} {counts[b]:>9,} {bar}")
+    return rows
+
+
+def inspect_dataset(
+    dataset_dir: str | Path,
+    decode: int = 0,
+    tokenizer: str | Path | None = None,
+    echo: Callable[[str], object] = print,
+) -> list[str]:
+    """Print counts, a length histogram and `decode` sample documents; returns the corrupt shards' names."""
+    root = Path(dataset_dir)
+    manifest = read_manifest(root)
+    vocab_size = manifest["vocab_size"]
+    echo(f"{root}: format {manifest['format']}, vocab_size {vocab_size}, dtype {manifest['dtype']}")
+    if manifest.get("command"):
+        echo(f"  built by: {manifest['command']}")
+    corrupt: list[str] = []
+    samples: list[tuple[str, np.ndarray]] = []
+    for split, entries in manifest["splits"].items():
+        lengths: list[int] = []
+        for e in entries:
+            report = check_shard(root / e["name"], e, vocab_size, keep_docs=max(0, decode - len(samples)))
+            lengths += report.lengths
+            samples += report.first_docs
+            if report.problems:
+                corrupt.append(e["name"])
+                echo(f"  CORRUPT {e['name']}: " + "; ".join(report.problems))
+        n_bytes = sum(e.get("bytes", 0) for e in entries)
+        n_tokens = sum(e.get("n_tokens", 0) for e in entries)
+        echo(
+            f"[{split}] {len(entries)} shards, {sum(e.get('n_docs', 0) for e in entries):,} documents, "
+            f"{n_tokens:,} tokens, {n_bytes / 1e6:.1f} MB"
+        )
+        if lengths:
+            echo(
+                f"  document length (tokens): mean {np.mean(lengths):.0f}, median {np.median(lengths):.0f}, "
+                f"max {max(lengths):,}"
+            )
+            for row in histogram(lengths):
+                echo(row)
+    if decode:
+        _show_samples(root, manifest, samples[:decode], tokenizer, echo)
+    echo(f"{len(corrupt)} corrupt shard(s)" + (": " + ", ".join(corrupt) if corrupt else ""))
+    return corrupt
+
+
+def _show_samples(root: Path, manifest: dict, samples, tokenizer, echo, max_chars: int = 500) -> None:
+    path = Path(tokenizer) if tokenizer else root / manifest.get("tokenizer", "tokenizer.json")
+    tok = load_tokenizer(path) if path.is_file() else None
+    if tok is None:
+        echo(f"(no tokenizer at {path}: showing ids)")
+    for key, ids in samples:
+        text = tok.decode(ids.tolist(), skip_special_tokens=False) if tok else str(ids[:64].tolist())
+        more = "..." if len(text) > max_chars else ""
+        echo(f"--- {key} ({ids.size} tokens)\n{text[:max_chars]}{more}")

@@ -1,0 +1,263 @@
+"""Training/validation loader: weighted shard sources -> packed windows -> per-rank micro-batches.
+
+Why: the trainer needs batches that are a pure function of (sources, seed, sample index), so that
+runs are reproducible, data-parallel ranks never overlap, and a restart continues exactly where
+the previous run stopped, whatever the number of DataLoader workers.
+
+The global sample stream (identical on every rank and worker):
+  * every source is a packed stream of windows of `seq_len + 1` tokens (stride `seq_len`) over
+    its documents; epoch e reads the source's shards in a seeded order and shows its windows
+    shuffled within blocks of `shuffle_buffer` windows (see `schedule.SourceSchedule`); windows
+    never cross an epoch and the tail of an epoch (< one window) is dropped;
+  * global sample n comes from source `Mixture.locate(n)`: in every chunk of 4096 samples each
+    source has round(4096 * weight) slots, in a seeded random order; each source advances its
+    own stream (its own epochs) only when it is picked;
+  * sample n gives tokens = window[:-1], labels = window[1:] (next token, across document
+    boundaries), position_ids = 0..seq_len-1, or with `document_masking=True` the offset from the
+    start of the token's document: positions restart at 0 after every EOS, and a document that
+    began in the previous window of the stream continues its count (so positions can exceed
+    seq_len). Document boundaries are where position_ids[t] != position_ids[t-1] + 1.
+
+Distribution: global sample n belongs to data-parallel rank n % dp_size. A rank's k-th
+micro-batch holds its samples [k*B, (k+1)*B) (B = micro_batch_size), in rank order; DataLoader
+worker w builds micro-batches w, w+W, w+2W, ..., so the DataLoader's round-robin over workers
+returns micro-batches 0, 1, 2, ... in order: the batches are identical for any num_workers.
+
+Exact resume: `start_sample=S` is the number of samples already consumed by all ranks together
+(RunState.consumed_samples; a multiple of the global batch size, and S % dp_size == 0 is
+required). The rank then yields its samples of the global stream from S on: with the same
+dp_size that is exactly the rest of the uninterrupted run, for any num_workers. With another
+dp_size the global stream from S on is split anew (sample n >= S to rank n % dp_size): the
+union over ranks is still exactly the samples S, S+1, ... of the same stream, so within an
+epoch no sample is repeated or skipped. Skipping to S costs O(1) arithmetic plus reading the
+current block's shards from their start; shards wholly before it are not opened.
+
+Bad data (`on_error`): "raise" stops with a ShardError naming the shard and the sample key.
+"skip" logs the shard once per worker (logger `goat_dist.data`) and treats the rest of that shard
+as unreadable: its tokens become EOS with label -100 on every position whose input or target is
+unreadable, so all other samples keep their place (deterministic, resumable). Every batch carries
+`skipped`, a 0-d int64 tensor: how many of its samples contain unreadable tokens (0 normally).
+The loss must ignore label -100 (megatron's vocab_parallel_cross_entropy does not by itself).
+
+Validation (`build_val_loader`): the "val" split, shards in manifest order, no window shuffle,
+mixture seed 0, start 0; infinite (it cycles), so the first `eval_batches` of a fresh iterator
+are the same fixed subset at every evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from goat_dist.data.reader import EpochReader, Span
+from goat_dist.data.schedule import Mixture, SourceSchedule
+from goat_dist.data.sources import SourceSplit, resolve_sources
+
+ON_ERROR = ("raise", "skip")
+IGNORE_INDEX = -100
+
+
+class _SourceBlocks:
+    """The block of one source's stream a worker is currently cutting windows from."""
+
+    def __init__(self, split: SourceSplit, schedule: SourceSchedule, on_error: str, warned: set):
+        self.split, self.schedule, self.on_error, self.warned = split, schedule, on_error, warned
+        self.epoch = -1
+        self.key: tuple[int, int] | None = None
+        self.reader: EpochReader | None = None
+
+    def span(self, epoch: int, block: int) -> Span:
+        if self.key != (epoch, block):
+            if epoch != self.epoch:
+                if self.reader is not None:
+                    self.reader.close()
+                order = self.schedule.shard_order(epoch)
+                self.reader = EpochReader(self.split, order, self.on_error, self.split.eos_id, self.warned)
+                self.epoch = epoch
+            first, count = self.schedule.block_span(block)
+            seq_len = self.schedule.seq_len
+            self._span = self.reader.read(first * seq_len, (first + count) * seq_len + 1)
+            self.key = (epoch, block)
+        return self._span
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+class PackedBatches(IterableDataset):
+    """Infinite stream of this rank's micro-batches; use with ``DataLoader(ds, batch_size=None)``.
+
+    Yields dicts: "tokens", "labels", "position_ids" (LongTensors (B, seq_len)) and "skipped"
+    (0-d int64). See the module docstring for the order, resume and error guarantees.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[SourceSplit],
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        start_sample: int = 0,
+        document_masking: bool = False,
+        shuffle_buffer: int = 1024,
+        on_error: str = "raise",
+        shuffle: bool = True,
+    ):
+        super().__init__()
+        if seq_len < 1 or micro_batch_size < 1:
+            raise ValueError(f"need seq_len, micro_batch_size >= 1, got {seq_len}, {micro_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
+        if start_sample < 0 or start_sample % dp_size:
+            raise ValueError(f"start_sample must be >= 0 and a multiple of dp_size={dp_size}: {start_sample}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        self.sources = list(sources)
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.start_sample = seed, start_sample
+        self.document_masking, self.on_error = document_masking, on_error
+        self.schedules = [
+            SourceSchedule(s.n_tokens, seq_len, seed, i, shuffle_buffer, shuffle)
+            for i, s in enumerate(self.sources)
+        ]
+        for s, sched in zip(self.sources, self.schedules):
+            if sched.windows < 1:
+                raise ValueError(
+                    f"data source {s.path} holds {s.total_tokens} tokens, fewer than seq_len + 1 = "
+                    f"{seq_len + 1}; no training sequence can be formed"
+                )
+        Mixture([s.weight for s in self.sources], seed)  # validates the weights now, not in a worker
+
+    @property
+    def windows_per_epoch(self) -> list[int]:
+        """Samples in one epoch of each source."""
+        return [s.windows for s in self.schedules]
+
+    def global_samples(self, k: int) -> list[int]:
+        """Global sample indices of this rank's micro-batch k (counted from start_sample)."""
+        first = self.start_sample // self.dp_size + k * self.micro_batch_size
+        return [(first + t) * self.dp_size + self.dp_rank for t in range(self.micro_batch_size)]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mixture = Mixture([s.weight for s in self.sources], self.seed)
+        warned: set = set()
+        blocks = [
+            _SourceBlocks(src, sched, self.on_error, warned)
+            for src, sched in zip(self.sources, self.schedules)
+        ]
+        try:
+            k = worker
+            while True:
+                yield self._batch(k, mixture, blocks)
+                k += n_workers
+        finally:
+            for b in blocks:
+                b.close()
+
+    def _batch(self, k: int, mixture: Mixture, blocks: list[_SourceBlocks]) -> dict[str, torch.Tensor]:
+        L, B = self.seq_len, self.micro_batch_size
+        # One storage for the whole batch: a DataLoader worker then ships one shared-memory
+        # segment per batch instead of one per tensor.
+        storage = torch.empty(3 * B * L + 1, dtype=torch.int64)
+        out = storage[:-1].view(3, B, L)
+        tokens, labels, positions = out.numpy()
+        holes = []
+        for t, n in enumerate(self.global_samples(k)):
+            s, j = mixture.locate(n)
+            epoch, block, w = self.schedules[s].locate(j)
+            span = blocks[s].span(epoch, block)
+            a = w * L - span.start
+            window = span.tokens[a : a + L + 1]
+            tokens[t] = window[:-1]
+            labels[t] = window[1:]
+            if self.document_masking:
+                offsets = np.arange(w * L, w * L + L)
+                idx = np.searchsorted(span.doc_starts, offsets, side="right") - 1
+                positions[t] = offsets - span.doc_starts[idx]
+            if span.missing is not None and span.missing[a : a + L + 1].any():
+                m = span.missing[a : a + L + 1]
+                labels[t, m[:-1] | m[1:]] = IGNORE_INDEX
+                holes.append(t)
+        if not self.document_masking:
+            positions[:] = np.arange(L)
+        storage[-1] = len(holes)
+        return {"tokens": out[0], "labels": out[1], "position_ids": out[2], "skipped": storage[-1]}
+
+
+def _loader(dataset: PackedBatches, num_workers: int, pin_memory: bool) -> DataLoader:
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+
+
+def build_train_loader(
+    sources: Sequence[dict | str | os.PathLike] | str | os.PathLike,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_sample: int = 0,
+    num_workers: int = 0,
+    document_masking: bool = False,
+    shuffle_buffer: int = 1024,
+    on_error: str = "raise",
+    split: str = "train",
+    pin_memory: bool = False,
+) -> DataLoader:
+    """DataLoader of this rank's training micro-batches, resumed at global sample `start_sample`.
+
+    `sources`: `[{"path": dir_or_url_prefix, "weight": w}, ...]` (a bare path means weight 1).
+    """
+    dataset = PackedBatches(
+        resolve_sources(sources, split),
+        seq_len,
+        micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        start_sample=start_sample,
+        document_masking=document_masking,
+        shuffle_buffer=shuffle_buffer,
+        on_error=on_error,
+    )
+    return _loader(dataset, num_workers, pin_memory)
+
+
+def build_val_loader(
+    sources: Sequence[dict | str | os.PathLike] | str | os.PathLike,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    document_masking: bool = False,
+    on_error: str = "raise",
+    split: str = "val",
+    pin_memory: bool = False,
+) -> DataLoader:
+    """DataLoader of this rank's validation micro-batches: fixed order, infinite (see module doc)."""
+    dataset = PackedBatches(
+        resolve_sources(sources, split),
+        seq_len,
+        micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=0,
+        document_masking=document_masking,
+        on_error=on_error,
+        shuffle=False,
+    )
+    return _loader(dataset, num_workers, pin_memory)
