@@ -96,6 +96,7 @@ class CheckpointConfig:
     interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
     keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
     save_at_end: bool = True
+    universal: bool = True  # also save a layout-independent copy (resume on another TP/DP/ZeRO, export)
 
 
 @dataclass

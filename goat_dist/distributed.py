@@ -92,13 +92,15 @@ def init(tp: int = 1, seed: int = 0) -> Layout:
     )
 
 
-def teardown() -> None:
-    """Barrier, destroy megatron's and torch's groups. Idempotent."""
+def teardown(barrier: bool = True) -> None:
+    """Barrier, destroy megatron's and torch's groups. Idempotent. After an error on this rank, skip the
+    barrier: the other ranks may never reach it, and the error must surface instead of a hang."""
     from megatron.core import parallel_state
 
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if barrier:
+                dist.barrier()
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

@@ -203,3 +203,27 @@ def test_truncated_checkpoint_file_is_named(tmp_path, builtin_cache):
     shard.write_bytes(shard.read_bytes()[:1000])
     out = run(1, ["train.max_steps=8", *common[1:]], expect=2)
     assert "mp_rank_00_model_states.pt" in out.stderr and "step 4" in out.stderr
+
+
+LAYOUT_CHANGES = [
+    ("tp2-to-tp1", 2, ["parallel.tp=2"], 1, []),
+    ("tp1-to-tp2", 1, [], 2, ["parallel.tp=2"]),
+    ("dp2-to-dp1", 2, ["parallel.zero_stage=1"], 1, []),
+    ("dp1-to-dp2", 1, [], 2, ["parallel.zero_stage=2"]),
+    ("zero1-to-zero3", 2, ["parallel.zero_stage=1"], 2, ["parallel.zero_stage=3"]),
+    ("zero3-to-tp2", 2, ["parallel.zero_stage=3"], 2, ["parallel.tp=2"]),
+]
+
+
+@pytest.mark.parametrize("name,n_old,old,n_new,new", LAYOUT_CHANGES, ids=[c[0] for c in LAYOUT_CHANGES])
+def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builtin_cache):
+    common = ["train.max_steps=12", f"data.cache_dir={builtin_cache}"]
+    before = tmp_path / "before"
+    run(n_old, [*common, *old, "checkpoint.interval=10", f"run.dir={before}"])
+    after = tmp_path / "after"
+    out = run(n_new, [*common, *new, f"train.resume={before}/checkpoints/step_00000010", f"run.dir={after}"])
+    assert "resumed from" in out.stdout
+    expected, got = per_step(before), per_step(after)
+    for step in (11, 12):
+        assert abs(got[step][0] - expected[step][0]) <= 1e-4 * expected[step][0], f"{name} step {step}"
+        assert got[step][1] == expected[step][1], f"{name} step {step}: different data"

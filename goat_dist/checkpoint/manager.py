@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text
-from . import rng
+from . import rng, universal
 
 MANIFEST = "manifest.json"
+LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage")
 STATE = "trainer_state.json"
 
 
@@ -80,10 +81,11 @@ def verify(step_dir: Path, checksums: bool = True) -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True):
+    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True, universal: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.is_main = is_main
+        self.universal = universal
 
     # ---- reading ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -105,6 +107,8 @@ class CheckpointManager:
                 shutil.rmtree(step_dir)
         dist.barrier()
         engine.save_checkpoint(str(self.root), tag=tag, client_state={}, save_latest=False)
+        if self.universal:
+            universal.save(engine, engine.module, step_dir, step)
         torch.save(rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
         if self.is_main:
             atomic_write_text(step_dir / STATE, json.dumps(trainer_state, indent=1))
@@ -132,7 +136,7 @@ class CheckpointManager:
                 shutil.rmtree(partial, ignore_errors=True)
 
     # ---- loading ----------------------------------------------------------------------------------
-    def load(self, engine, step_dir: Path) -> dict:
+    def load(self, engine, step_dir: Path, layout: dict) -> dict:
         """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state."""
         step_dir = Path(step_dir)
         error = ""
@@ -144,13 +148,25 @@ class CheckpointManager:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks stop together, none loads a partial
         if failed.item():
             raise CheckpointError(error or f"checkpoint {step_dir} failed verification on another rank")
-        path, _ = engine.load_checkpoint(
-            str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {step_dir}")
         state = json.loads((step_dir / STATE).read_text())
-        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
-        if rng_file.is_file() and state.get("world") == dist.get_world_size():
-            rng.restore(torch.load(rng_file, weights_only=True))
+        saved = {k: state.get(k) for k in LAYOUT_KEYS}
+        if saved == layout:  # the same layout: DeepSpeed's own shards, bit-exact
+            path, _ = engine.load_checkpoint(
+                str(step_dir.parent),
+                tag=step_dir.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load {step_dir}")
+            rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
+            if rng_file.is_file():
+                rng.restore(torch.load(rng_file, weights_only=True))
+        else:  # another layout: merge and re-split the layout-independent copy
+            if not (step_dir / "universal" / "meta.json").is_file():
+                raise CheckpointError(
+                    f"checkpoint {step_dir} was saved with layout {saved}, this run is {layout}, and it has "
+                    "no universal/ state (checkpoint.universal was off): resume it on its own layout"
+                )
+            universal.load(engine, engine.module, step_dir, state["step"])
         return state

@@ -3,10 +3,16 @@
 Module boundaries: `corpus` produces texts, `tokenizer` turns texts into ids, `shards` owns the
 on-disk format, `packing` turns shards into training sequences, `builtin` wires them together for
 the default data set.
+
+The production path: `inputs` reads raw corpora, `prepare` (+ `restart`) tokenizes them into
+shards, `inspection` verifies them, `commands` exposes all three as `goat data ...`; `loader`
+serves per-rank micro-batches from weighted sources (`sources`: where the shards are, `schedule`:
+which window feeds which sample, `reader`: reading token ranges).
 """
 
 from goat_dist.data.builtin import builtin_dataset_dir, prepare_builtin_dataset, split_shard_paths
 from goat_dist.data.corpus import stdlib_documents
+from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_loader
 from goat_dist.data.packing import PackedSequences
 from goat_dist.data.shards import (
     FORMAT,
@@ -22,9 +28,12 @@ from goat_dist.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bp
 __all__ = [
     "EOS_TOKEN",
     "FORMAT",
+    "PackedBatches",
     "PackedSequences",
     "ShardError",
     "ShardWriter",
+    "build_train_loader",
+    "build_val_loader",
     "builtin_dataset_dir",
     "eos_id",
     "iter_documents",

@@ -42,6 +42,7 @@ def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) ->
     if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
         report.problems.append("sha256 differs from the manifest")
     tokens = 0
+    key = None
     try:
         for key, ids in iter_tar_documents(io.BytesIO(data), str(path)):
             report.lengths.append(ids.size)
@@ -55,7 +56,7 @@ def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) ->
         report.problems.append(str(exn))
     if len(report.lengths) != entry.get("n_docs") or tokens != entry.get("n_tokens"):
         report.problems.append(
-            f"read {len(report.lengths)} documents / {tokens} tokens, manifest says "
+            f"read {len(report.lengths)} documents / {tokens} tokens (last sample {key!r}), manifest says "
             f"{entry.get('n_docs')} / {entry.get('n_tokens')}"
         )
     return report
@@ -72,7 +73,7 @@ def histogram(lengths: list[int], width: int = 40) -> list[str]:
     rows = []
     for b in range(lo, hi + 1):
         bar = "#" * int(round(width * counts[b] / peak))
-        rows.append(f"  {2**b:>8,}-{2 ** (b + 1) - 1:<8,} {counts[b]:>9,} {bar}")
+        rows.append(f"  {2**b:>8,}-{2 ** (b + 1) - 1:<8,} {counts[b]:>9,} {bar}".rstrip())
     return rows
 
 

@@ -30,7 +30,10 @@ dp_size that is exactly the rest of the uninterrupted run, for any num_workers. 
 dp_size the global stream from S on is split anew (sample n >= S to rank n % dp_size): the
 union over ranks is still exactly the samples S, S+1, ... of the same stream, so within an
 epoch no sample is repeated or skipped. Skipping to S costs O(1) arithmetic plus reading the
-current block's shards from their start; shards wholly before it are not opened.
+current block's shards from their start; shards wholly before it are not opened. What must stay
+the same for this: the sources (order, weights, contents), seed, seq_len, shuffle_buffer and
+document_masking; micro_batch_size, num_workers and (as above) dp_size may change. The trainer
+stores only S (all ranks' consumed samples) and passes it back as `start_sample`.
 
 Bad data (`on_error`): "raise" stops with a ShardError naming the shard and the sample key.
 "skip" logs the shard once per worker (logger `goat_dist.data`) and treats the rest of that shard
@@ -69,6 +72,7 @@ class _SourceBlocks:
         self.epoch = -1
         self.key: tuple[int, int] | None = None
         self.reader: EpochReader | None = None
+        self._span: Span | None = None
 
     def span(self, epoch: int, block: int) -> Span:
         if self.key != (epoch, block):

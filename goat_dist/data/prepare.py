@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import logging
 import multiprocessing
 import os
 import sys
@@ -43,7 +42,6 @@ from goat_dist.data.tokenizer import eos_id, load_tokenizer
 TOKENIZER_NAME = "tokenizer.json"
 CHUNK_DOCS = 256  # documents per tokenization task
 CHUNK_BYTES = 1 << 18  # ... or this much text, whichever comes first (small: balances workers)
-log = logging.getLogger("goat_dist.data")
 
 
 class PrepareError(RuntimeError):
@@ -179,8 +177,9 @@ def _chunks(docs: Iterator[tuple]) -> Iterator[list[tuple]]:
 class _ShardSink:
     """Writes tokenized chunks to the train/val ShardWriters, recording finished shards for restart."""
 
-    def __init__(self, out: Path, prefixes: dict, progress: PrepareProgress, shard_size_mb, vocab_size, bar):
-        self.progress, self.bar = progress, bar
+    def __init__(self, out: Path, prefixes: dict, progress: PrepareProgress, shard_size_mb, vocab_size):
+        self.progress = progress
+        self.bar = None  # the progress bar, set while tokenizing
         self.writers = {
             s: ShardWriter(out, p, shard_size_mb, vocab_size=vocab_size, start_index=len(progress.splits[s]))
             for s, p in prefixes.items()
@@ -221,25 +220,17 @@ def _progress_bar(files: Sequence[Path], show: bool):
     return bar
 
 
-def _tokenize_into(sink: _ShardSink, docs: Iterator[tuple], workers: int, initargs: tuple) -> None:
-    """Tokenize `docs` on `workers` processes; results are written in submission order."""
-    pool = _pool(workers, initargs)
+def _tokenize_into(sink: _ShardSink, docs: Iterator[tuple], pool, workers: int) -> None:
+    """Tokenize `docs` on the pool's `workers` processes; results are written in submission order."""
     pending: deque = deque()
-    try:
-        for chunk in _chunks(docs):
-            pending.append((chunk, pool.apply_async(_encode_chunk, ([d[1] for d in chunk],))))
-            if len(pending) > 2 * workers + 2:  # bounded read-ahead
-                chunk, result = pending.popleft()
-                sink.write(chunk, *result.get())
-        while pending:
+    for chunk in _chunks(docs):
+        pending.append((chunk, pool.apply_async(_encode_chunk, ([d[1] for d in chunk],))))
+        if len(pending) > 2 * workers + 2:  # bounded read-ahead
             chunk, result = pending.popleft()
             sink.write(chunk, *result.get())
-        pool.close()
-    except BaseException:
-        pool.terminate()
-        raise
-    finally:
-        pool.join()
+    while pending:
+        chunk, result = pending.popleft()
+        sink.write(chunk, *result.get())
 
 
 def _finished(out: Path, fingerprint: str, echo) -> dict | None:
@@ -322,17 +313,21 @@ def prepare(
     val_set = _val_by_count(files, text_field, val_docs) if val_docs is not None else None
     done = {s: progress.done_docs(s) for s in prefixes}
     stats = {"docs": 0, "bytes": 0}
-    bar = _progress_bar(files, show_progress)
-    sink = _ShardSink(out, prefixes, progress, shard_size_mb, vocab_size, bar)
-    docs = _labelled_docs(files, text_field, val_set, int(val_fraction * 2**64), done, bar.update, stats)
+    sink = _ShardSink(out, prefixes, progress, shard_size_mb, vocab_size)
+    pool = _pool(workers, (tok.to_str(), FIELDS[ids_field(vocab_size)].str, eos))  # before tqdm's thread
     try:
-        _tokenize_into(sink, docs, workers, (tok.to_str(), FIELDS[ids_field(vocab_size)].str, eos))
+        with _progress_bar(files, show_progress) as sink.bar:
+            threshold = int(val_fraction * 2**64)
+            docs = _labelled_docs(files, text_field, val_set, threshold, done, sink.bar.update, stats)
+            _tokenize_into(sink, docs, pool, workers)
+        pool.close()
         sink.close(stats["docs"])
     except BaseException:
+        pool.terminate()
         sink.abort()
         raise
     finally:
-        bar.close()
+        pool.join()
 
     entries = {s: progress.entries(s) for s in prefixes}
     manifest = {
@@ -356,6 +351,8 @@ def prepare(
     progress.remove()
     seconds = time.perf_counter() - t0
     tokens = {s: sum(e["n_tokens"] for e in v) for s, v in entries.items()}
+    if not entries["val"] and (val_fraction > 0 if val_docs is None else val_docs > 0):
+        echo("[data] warning: no document went to the val split; use --val-docs N for a fixed count")
     echo(
         f"[data] {out}: {stats['docs']:,} documents -> {tokens['train']:,} train / {tokens['val']:,} val "
         f"tokens in {len(entries['train'])}+{len(entries['val'])} shards ({seconds:.1f}s; tokenized "

@@ -90,7 +90,9 @@ class Trainer:
         log = print if self.layout.is_main else (lambda *a, **k: None)
         self.data_dir = dataset_dir(cfg, self.layout, log=log)
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main)
+        self.checkpoints = CheckpointManager(
+            self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
+        )
         self.resumed_from = self._resume()
         self.signals = StopSignals()
 
@@ -102,21 +104,21 @@ class Trainer:
         path = self.checkpoints.latest() if choice == "auto" else Path(choice)
         if path is None:
             return None
-        saved = self.checkpoints.load(self.engine, path)
+        saved = self.checkpoints.load(self.engine, path, self.layout_record())
         self.state.load_state_dict(saved["run_state"])
         if self.layout.is_main:
             print(f"resumed from {path} (step {self.state.step}, {self.state.consumed_tokens:,} tokens)")
         return path
 
-    def save_checkpoint(self) -> Path:
+    def layout_record(self) -> dict:
         lay = self.layout
+        return {"world": lay.world, "tp": lay.tp, "dp": lay.dp, "zero_stage": self.cfg.parallel.zero_stage}
+
+    def save_checkpoint(self) -> Path:
         trainer_state = {
             "step": self.state.step,
             "run_state": self.state.state_dict(),
-            "world": lay.world,
-            "tp": lay.tp,
-            "dp": lay.dp,
-            "zero_stage": self.cfg.parallel.zero_stage,
+            **self.layout_record(),
         }
         path = self.checkpoints.save(
             self.engine,
@@ -301,6 +303,9 @@ def run(cfg: Config) -> RunState:
     """Entry point of ``goat train``: train, then tear the process groups down cleanly."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return Trainer(cfg).fit()
-    finally:
-        distributed.teardown()
+        state = Trainer(cfg).fit()
+    except BaseException:
+        distributed.teardown(barrier=False)
+        raise
+    distributed.teardown()
+    return state
