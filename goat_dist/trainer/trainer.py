@@ -37,10 +37,12 @@ def seed_everything(seed: int) -> None:
 
 
 def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
-    """An order-sensitive integer digest of a batch's tokens: equal digests per step mean the same data,
-    which is how exact resume of the data stream is checked (metrics.jsonl ``data_fingerprint``)."""
-    weights = torch.arange(1, tokens.numel() + 1, dtype=torch.long).view_as(tokens) % 1_000_003
-    return (tokens.cpu().long() * weights).sum().view(1)
+    """An integer digest of the set of sequences in a batch (order inside each sequence counts, the
+    placement on ranks and micro-batches does not): summed over a global batch, equal digests per step
+    mean the same data. metrics.jsonl ``data_fingerprint`` is how exact resume of the data is checked."""
+    t = tokens.cpu().long()
+    per_sample = (t * torch.arange(1, t.shape[1] + 1)).sum(dim=1)
+    return ((per_sample * 2654435761) % 2_147_483_647).sum().view(1)
 
 
 def gradient_accumulation(cfg: Config, dp: int) -> int:
