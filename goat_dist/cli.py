@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=runs/x"
     )
     train.set_defaults(func=cmd_train)
+    from .data.commands import register as register_data
+
+    register_data(sub)
     return parser
 
 

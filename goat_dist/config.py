@@ -83,11 +83,14 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat data` shard dir
+    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat data` shard dir/URL
+    sources: list | None = None  # a mixture instead of `source`: [{path: ..., weight: ...}, ...]
     cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
     builtin_max_bytes: int = 8_000_000
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader workers per rank (batches are identical for any number)
     shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
+    document_masking: bool = False  # positions restart per document and attention stays inside it
+    on_error: str = "raise"  # raise | skip (a corrupt shard's rest is masked, counted, logged)
 
 
 @dataclass
@@ -235,6 +238,16 @@ def validate(cfg: Config) -> None:
     _choice("model.norm", m.norm, ("rmsnorm", "layernorm"))
     _choice("model.goat.prior_init", m.goat.prior_init, ("seeded", "uniform"))
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    _choice("data.on_error", cfg.data.on_error, ("raise", "skip"))
+    for i, src in enumerate(cfg.data.sources or []):
+        if not isinstance(src, dict) or set(src) - {"path", "weight"} or "path" not in src:
+            raise ConfigError(
+                f"data.sources[{i}] must be a mapping with 'path' and optional 'weight', got {src!r}"
+            )
+        if not isinstance(src.get("weight", 1.0), (int, float)) or src.get("weight", 1.0) <= 0:
+            raise ConfigError(
+                f"data.sources[{i}].weight must be a positive number, got {src.get('weight')!r}"
+            )
     _choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")

@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .attention import ParallelSelfAttention
 
+IGNORE_INDEX = -100  # label of tokens that carry no loss
+
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
     """Round the vocabulary up to ``multiple`` (and, only if needed, to ``multiple * tp``) so every TP
@@ -186,8 +188,10 @@ class GPT(nn.Module):
         logits = self.vocab_parallel_logits(self.hidden_states(tokens, position_ids))
         if labels is None:
             return logits.transpose(0, 1)
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
-        return losses.mean()
+        labels = labels.transpose(0, 1).contiguous()
+        keep = labels != IGNORE_INDEX  # e.g. the unreadable part of a skipped corrupt shard
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.clamp(min=0))
+        return (losses * keep).sum() / keep.sum().clamp(min=1)
 
 
 def gather_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,56 +1,78 @@
-"""Training and validation batches for this rank, from the configured dataset."""
+"""Training and validation batches for this rank, from the configured dataset(s)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from ..config import Config, ConfigError
-from ..data import PackedSequences, prepare_builtin_dataset, read_manifest, split_shard_paths
+from ..data import build_train_loader, build_val_loader, prepare_builtin_dataset, read_manifest
 from ..distributed import Layout
 
 
-def dataset_dir(cfg: Config, layout: Layout, log=print) -> Path:
-    """The shard directory: the builtin corpus (built once, by rank 0) or a ``goat data`` output."""
-    if cfg.data.source == "builtin":
+def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
+    """``[{path, weight}]``: the builtin corpus (built once, by rank 0), one shard dir, or a mixture."""
+    if cfg.data.sources:
+        sources = [
+            {
+                "path": str(Path(s["path"]).expanduser())
+                if "://" not in s["path"] and not s["path"].startswith("pipe:")
+                else s["path"],
+                "weight": float(s.get("weight", 1.0)),
+            }
+            for s in cfg.data.sources
+        ]
+    elif cfg.data.source == "builtin":
         cache = Path(cfg.data.cache_dir).expanduser()
+        kwargs = dict(vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes)
         if layout.is_main:
-            prepare_builtin_dataset(
-                cache, vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes, log=log
-            )
+            prepare_builtin_dataset(cache, log=log, **kwargs)
         dist.barrier()
-        path = prepare_builtin_dataset(
-            cache, vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes, log=lambda *a: None
-        )
+        sources = [
+            {"path": str(prepare_builtin_dataset(cache, log=lambda *a: None, **kwargs)), "weight": 1.0}
+        ]
     else:
-        path = Path(cfg.data.source).expanduser()
-    manifest = read_manifest(path)
-    if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(
-            f"data.source {path} was tokenized with vocab_size {manifest['vocab_size']} but "
-            f"model.vocab_size is {cfg.model.vocab_size}"
-        )
-    return path
+        sources = [{"path": str(Path(cfg.data.source).expanduser()), "weight": 1.0}]
+    for src in sources:
+        if "://" in src["path"] or src["path"].startswith("pipe:"):
+            continue  # remote: the loader reads its manifest
+        vocab = read_manifest(src["path"])["vocab_size"]
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                f"data source {src['path']} was tokenized with vocab_size {vocab} but model.vocab_size is "
+                f"{cfg.model.vocab_size}"
+            )
+    return sources
 
 
-def loader(cfg: Config, layout: Layout, path: Path, split: str, seed_offset: int = 0, start_sample: int = 0):
-    shards = split_shard_paths(path, split)
-    if not shards:
-        raise ConfigError(f"data.source {path} has no '{split}' shards")
-    dataset = PackedSequences(
-        shards,
+def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample: int = 0):
+    """This rank's micro-batches from global sample ``start_sample`` on (exact resume)."""
+    d = cfg.data
+    return build_train_loader(
+        sources,
         seq_len=cfg.model.seq_len,
-        seed=cfg.train.seed + seed_offset,
+        micro_batch_size=cfg.train.micro_batch_size,
         dp_rank=layout.dp_rank,
         dp_size=layout.dp,
-        shuffle_buffer=cfg.data.shuffle_buffer,
+        seed=cfg.train.seed,
+        start_sample=start_sample,
+        num_workers=d.num_workers,
+        document_masking=d.document_masking,
+        shuffle_buffer=d.shuffle_buffer,
+        on_error=d.on_error,
     )
-    batches = iter(
-        DataLoader(dataset, batch_size=cfg.train.micro_batch_size, num_workers=cfg.data.num_workers)
+
+
+def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
+    d = cfg.data
+    return build_val_loader(
+        sources,
+        seq_len=cfg.model.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp,
+        num_workers=0,
+        document_masking=d.document_masking,
+        on_error=d.on_error,
     )
-    per_rank = start_sample // layout.dp  # this rank's share of the samples already consumed
-    for _ in range(per_rank // cfg.train.micro_batch_size):
-        next(batches)
-    return batches

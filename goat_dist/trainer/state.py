@@ -10,6 +10,7 @@ class RunState:
     step: int = 0  # optimizer steps completed
     consumed_samples: int = 0  # sequences consumed, all data-parallel ranks together
     consumed_tokens: int = 0
+    data_skipped: int = 0  # samples with unreadable data (data.on_error=skip), all ranks
     elapsed_s: float = 0.0  # training wall time so far (this and earlier attempts)
     stop_requested: str | None = None  # set by a signal or a callback; honoured at the step boundary
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged step's metrics

@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointManager, tag_for
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
-from .batches import dataset_dir, loader
+from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .memory import training_state_bytes
 from .parallelize import parallelize
@@ -90,7 +90,8 @@ class Trainer:
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
         log = print if self.layout.is_main else (lambda *a, **k: None)
-        self.data_dir = dataset_dir(cfg, self.layout, log=log)
+        self.sources = data_sources(cfg, self.layout, log=log)
+        self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
         self.checkpoints = CheckpointManager(
             self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
@@ -191,6 +192,7 @@ class Trainer:
 
     def _batch(self, it) -> tuple[torch.Tensor, ...]:
         b = next(it)
+        self._skipped += int(b.get("skipped", 0))
         dev = self.layout.device
         return b["tokens"].to(dev), b["position_ids"].to(dev), b["labels"].to(dev)
 
@@ -198,6 +200,7 @@ class Trainer:
         """One optimizer step (``grad_accum`` micro-batches); returns the DP-mean loss."""
         total = torch.zeros((), device=self.layout.device)
         fingerprint = torch.zeros(1, dtype=torch.long)
+        self._skipped = 0
         for micro in range(self.grad_accum):
             tokens, positions, labels = self._batch(it)
             fingerprint += batch_fingerprint(tokens)
@@ -212,8 +215,10 @@ class Trainer:
             total += loss.detach().float()
         total /= self.grad_accum
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        dist.all_reduce(fingerprint, group=parallel_state.get_data_parallel_group())
-        self.state.metrics["data_fingerprint"] = int(fingerprint.item())
+        counts = torch.cat([fingerprint, torch.tensor([self._skipped])])
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        self.state.metrics["data_fingerprint"] = int(counts[0])
+        self.state.data_skipped += int(counts[1])
         return total.item() / self.layout.dp
 
     def measure_memory(self) -> dict:
@@ -224,10 +229,12 @@ class Trainer:
         dist.all_gather(gathered, torch.tensor([local[k] for k in keys]))
         return {k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}
 
+    _skipped = 0
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.engine.eval()
-        it = iter(loader(self.cfg, self.layout, self.data_dir, "val"))
+        it = iter(self.val_batches)
         total = torch.zeros((), device=self.layout.device)
         n = self.cfg.train.eval_batches
         for _ in range(n):
@@ -241,7 +248,7 @@ class Trainer:
     def fit(self) -> RunState:
         cfg, state = self.cfg, self.state
         self._emit("on_train_start", self.start_info())
-        it = iter(loader(cfg, self.layout, self.data_dir, "train", start_sample=state.consumed_samples))
+        it = iter(train_loader(cfg, self.layout, self.sources, start_sample=state.consumed_samples))
         tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         window_start, window_steps = time.perf_counter(), 0
         self._last_save_time = time.monotonic()
@@ -274,6 +281,7 @@ class Trainer:
                 seconds = time.perf_counter() - window_start
                 state.metrics = {
                     "data_fingerprint": state.metrics["data_fingerprint"],
+                    "data_skipped": state.data_skipped,
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
