@@ -19,11 +19,13 @@ def goat_attention(
     *,
     causal: bool,
     backend: str,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax_j(q_c,i . k_c,j / sqrt(d_c) + K_ij) v_j`` for every head.
 
     q_content (B, L, H, d_c), k_content (B, L, H_kv, d_c), v (B, L, H_kv, D) with ``D = d_c + 2R + 1``;
-    ``position_ids`` (B, L) are absolute positions (packed documents, offsets, context-parallel chunks).
+    ``position_ids`` (B, L) are absolute positions (packed documents, offsets, context-parallel chunks);
+    ``segments`` (B, L), from ``document_segments``, keep attention inside packed documents.
     ``eager`` adds the explicit log-prior matrix; the other backends fold the prior into ``2R+1`` extra
     q/k lanes, so the kernel sees equal head dims for q, k and v and needs no bias tensor. The prior is
     not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and the query lanes carry
@@ -37,7 +39,9 @@ def goat_attention(
     scale = 1.0 / math.sqrt(d_c)
     if backend == "eager":
         bias = prior.log_prior(position_ids, causal)
-        return eager_attention(q_content, k_content, v, causal=causal, scale=scale, bias=bias)
+        return eager_attention(
+            q_content, k_content, v, causal=causal, scale=scale, bias=bias, segments=segments
+        )
     q_lanes, k_lanes = prior.lanes(position_ids, causal)
     group = q_content.shape[2] // k_content.shape[2]
     if group > 1:
@@ -46,7 +50,7 @@ def goat_attention(
     # cheaper than rescaling all content lanes, and exact in bf16 up to one rounding of the lanes.
     q = torch.cat([q_content, (q_lanes * math.sqrt(d_c)).to(q_content.dtype)], dim=-1)
     k = torch.cat([k_content, k_lanes.to(k_content.dtype)], dim=-1)
-    return attend(q, k, v, causal=causal, scale=scale, backend=backend)
+    return attend(q, k, v, causal=causal, scale=scale, backend=backend, segments=segments)
 
 
 def split_grouped_qkv(mixed: torch.Tensor, num_kv_heads: int, group: int, content_dim: int, head_dim: int):

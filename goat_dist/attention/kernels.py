@@ -15,6 +15,34 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "flash", "sdpa", "eager")
 
 
+def document_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Segment ids (B, L) of packed documents, from positions that restart (``t != t_prev + 1``);
+    None when no row has a boundary, so unpacked batches keep the plain causal fast path."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.long().cumsum(dim=1)
+
+
+def segment_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, 1, L, L) boolean mask, True where query i may attend key j: same document (and j <= i)."""
+    keep = segments[:, :, None] == segments[:, None, :]
+    if causal:
+        L = segments.shape[1]
+        keep = keep & torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
+    return keep[:, None]
+
+
+@functools.cache
+def _flash_attn_varlen_func():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001
+        return None
+    return flash_attn_varlen_func
+
+
 @functools.cache
 def _flash_attn_func():
     """The flash-attn function, or None. Decided by importing: a kernel-less install can have a spec."""
@@ -57,17 +85,21 @@ def eager_attention(
     causal: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Readable reference: explicit fp32 logits ``scale * q.k + bias``, mask, softmax, weighted sum.
 
-    ``bias`` is (B, H or H_kv, L, S) and is added unscaled.
+    ``bias`` is (B, H or H_kv, L, S) and is added unscaled; ``segments`` (B, L) confine attention to
+    packed documents.
     """
     H = q.shape[2]
     k, v = _expand_kv(k, H), _expand_kv(v, H)
     logits = torch.einsum("blhd,bshd->bhls", q.float(), k.float()) * scale
     if bias is not None:
         logits = logits + (bias if bias.shape[1] == H else bias.repeat_interleave(H // bias.shape[1], dim=1))
-    if causal:
+    if segments is not None:
+        logits = logits.masked_fill(~segment_mask(segments, causal), float("-inf"))
+    elif causal:
         L, S = logits.shape[-2:]
         future = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(S - L + 1)
         logits = logits.masked_fill(future, float("-inf"))
@@ -75,31 +107,59 @@ def eager_attention(
     return torch.einsum("bhls,bshd->blhd", probs, v.float()).to(v.dtype)
 
 
-def sdpa_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+def sdpa_attention(q, k, v, *, causal: bool, scale: float, segments=None, bias=None) -> torch.Tensor:
+    """torch SDPA; packed documents (``segments``) or an additive ``bias`` go in as an explicit mask."""
+    mask = None
+    if segments is not None or bias is not None:
+        keep = segment_mask(segments, causal) if segments is not None else None
+        if keep is None and causal:
+            L = q.shape[1]
+            keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        mask = keep if bias is None else bias.masked_fill(~keep, float("-inf")).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        is_causal=causal,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
 
-def flash_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
-    func = _flash_attn_func()
-    if func is None:
+def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **extra) -> torch.Tensor:
+    """flash-attn 2; packed documents run through its varlen kernel (no mask, no padding)."""
+    if _flash_attn_func() is None:
         resolve_backend("flash")  # raises the explanatory error
-    return func(q, k, v, softmax_scale=scale, causal=causal)
+    if segments is None:
+        return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=causal, **extra)
+    B, L = segments.shape
+    flat = (segments + torch.arange(B, device=segments.device)[:, None] * (L + 1)).flatten()
+    starts = torch.nonzero(torch.diff(flat, prepend=flat[:1] - 1)).flatten()
+    cu = torch.cat([starts, starts.new_tensor([B * L])]).to(torch.int32)
+    max_len = int(torch.diff(cu).max())
+    out = _flash_attn_varlen_func()(
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        cu,
+        cu,
+        max_len,
+        max_len,
+        softmax_scale=scale,
+        causal=causal,
+        **extra,
+    )
+    return out.view(B, L, *out.shape[1:])
 
 
-def attend(q, k, v, *, causal: bool, scale: float, backend: str) -> torch.Tensor:
+def attend(q, k, v, *, causal: bool, scale: float, backend: str, segments=None) -> torch.Tensor:
     """One attention call (no bias): dispatch on an already resolved backend name."""
     if backend == "sdpa":
-        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+        return sdpa_attention(q, k, v, causal=causal, scale=scale, segments=segments)
     if backend == "flash":
-        return flash_attention(q, k, v, causal=causal, scale=scale)
+        return flash_attention(q, k, v, causal=causal, scale=scale, segments=segments)
     if backend == "eager":
-        return eager_attention(q, k, v, causal=causal, scale=scale)
+        return eager_attention(q, k, v, causal=causal, scale=scale, segments=segments)
     raise ValueError(f"unresolved attention backend {backend!r}")

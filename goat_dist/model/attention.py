@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention import GoatPrior, alibi_slopes, attend, goat_attention, split_grouped_qkv
 from ..attention.goat import grouped_qkv_width
-from ..attention.kernels import _flash_attn_func, eager_attention, resolve_backend
+from ..attention.kernels import eager_attention, flash_attention, resolve_backend, sdpa_attention
 from ..config import ModelConfig
 from .positions import alibi_bias, apply_rope, rope_cos_sin
 
@@ -80,50 +80,36 @@ class ParallelSelfAttention(nn.Module):
             skip_bias_add=False,
         )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None) -> torch.Tensor:
         mixed, _ = self.qkv(x)  # [s, b, local width]; gathers the sequence under SP
         mixed = mixed.transpose(0, 1)
         q, k, v = split_grouped_qkv(mixed, self.local_kv_heads, self.group, self.content_dim, self.head_dim)
         if self.checkpoint_core and self.training:  # selective recomputation: keep no L x L activations
-            out = checkpoint(self._attend, q, k, v, position_ids, use_reentrant=False)
+            out = checkpoint(self._attend, q, k, v, position_ids, segments, use_reentrant=False)
         else:
-            out = self._attend(q, k, v, position_ids)
+            out = self._attend(q, k, v, position_ids, segments)
         b, s = out.shape[:2]
         out, _ = self.proj(out.reshape(b, s, -1).transpose(0, 1))  # reduce(-scatter under SP)
         return out
 
-    def _attend(self, q, k, v, position_ids):
+    def _attend(self, q, k, v, position_ids, segments=None):
         position = self.cfg.position
         if position == "goat":
-            return goat_attention(q, k, v, self.prior, position_ids, causal=True, backend=self.backend)
+            return goat_attention(
+                q, k, v, self.prior, position_ids, causal=True, backend=self.backend, segments=segments
+            )
         scale = self.head_dim**-0.5
         if position == "rope":
             cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if position == "alibi":
-            if self.backend == "flash":
+            if self.backend == "flash":  # flash-attn computes ALiBi itself, in fp32, from the slopes
                 slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)
-                return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=True, alibi_slopes=slopes)
+                return flash_attention(
+                    q, k, v, causal=True, scale=scale, segments=segments, alibi_slopes=slopes
+                )
             bias = alibi_bias(position_ids, self.alibi_slopes)
-            return (
-                eager_attention(q, k, v, causal=True, scale=scale, bias=bias)
-                if self.backend == "eager"
-                else _sdpa_with_bias(q, k, v, scale, bias)
-            )
-        return attend(q, k, v, causal=True, scale=scale, backend=self.backend)
-
-
-def _sdpa_with_bias(q, k, v, scale, bias):
-    """SDPA with an additive (B, H, L, L) bias plus the causal mask folded into it."""
-    L = q.shape[1]
-    future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-    mask = bias.masked_fill(future, float("-inf")).to(q.dtype)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+            if self.backend == "eager":
+                return eager_attention(q, k, v, causal=True, scale=scale, bias=bias, segments=segments)
+            return sdpa_attention(q, k, v, causal=True, scale=scale, segments=segments, bias=bias)
+        return attend(q, k, v, causal=True, scale=scale, backend=self.backend, segments=segments)

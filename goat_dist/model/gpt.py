@@ -16,6 +16,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..attention.kernels import document_segments
 from ..config import ModelConfig
 from .attention import ParallelSelfAttention
 
@@ -98,8 +99,8 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids, segments))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -156,13 +157,14 @@ class GPT(nn.Module):
                 raise ValueError(f"learned positions stop at model.seq_len={self.cfg.seq_len}")
             x = x + self.pos_embedding(position_ids)
         x = x.transpose(0, 1).contiguous()
+        segments = document_segments(position_ids)  # None unless positions restart (packed documents)
         if self.sequence_parallel:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)
         for block in self.blocks:
             if self.activation_checkpointing == "full" and self.training:
-                x = checkpoint(block, x, position_ids, use_reentrant=False)
+                x = checkpoint(block, x, position_ids, segments, use_reentrant=False)
             else:
-                x = block(x, position_ids)
+                x = block(x, position_ids, segments)
         return self.final_norm(x)
 
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
