@@ -14,6 +14,7 @@ import warnings
 def _quiet_third_party() -> None:
     """Silence import-time noise from megatron/deepspeed that says nothing about the run."""
     warnings.filterwarnings("ignore", module="megatron")
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
     warnings.filterwarnings("ignore", category=FutureWarning)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
 
@@ -61,12 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .data.commands import register as register_data
 
     register_data(sub)
+    from .checkpoint.commands import register as register_ckpt
+
+    register_ckpt(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    _quiet_third_party()
+    from .checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except CheckpointError as e:
+        print(f"goat {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""Checkpoint inspection and export of consolidated weights (safetensors + config.json)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from . import universal
+from .manager import MANIFEST, STATE, CheckpointError, verify
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A step directory from a run dir, its checkpoints/ dir (their ``latest``) or the step dir itself."""
+    path = Path(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "latest").is_file():
+            return candidate / (candidate / "latest").read_text().strip()
+    if (path / STATE).is_file() or (path / MANIFEST).is_file():
+        return path
+    raise CheckpointError(f"{path}: not a checkpoint, a checkpoints/ directory or a run directory")
+
+
+def inspect(path: str | Path, checksums: bool = True) -> dict:
+    step_dir = resolve_step_dir(path)
+    info = {"path": str(step_dir), "valid": True, "error": None}
+    try:
+        manifest = verify(step_dir, checksums=checksums)
+        info["files"] = len(manifest["files"])
+        info["bytes"] = sum(f["bytes"] for f in manifest["files"].values())
+    except CheckpointError as e:
+        info.update(valid=False, error=str(e))
+    state_path = step_dir / STATE
+    if state_path.is_file():
+        state = json.loads(state_path.read_text())
+        run = state.get("run_state", {})
+        info.update(
+            step=state.get("step"),
+            layout={k: state.get(k) for k in ("world", "tp", "dp", "zero_stage")},
+            consumed_samples=run.get("consumed_samples"),
+            consumed_tokens=run.get("consumed_tokens"),
+        )
+    info["universal"] = (step_dir / "universal" / "meta.json").is_file()
+    return info
+
+
+def _tokenizer_of(config: dict) -> Path | None:
+    data = config.get("data", {})
+    if data.get("source") == "builtin" and not data.get("sources"):
+        from ..data import builtin_dataset_dir
+
+        candidate = builtin_dataset_dir(Path(data["cache_dir"]).expanduser(), config["model"]["vocab_size"])
+    else:
+        candidate = Path(data.get("source", "")).expanduser()
+    path = candidate / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    """Write ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the model
+    section of the run's config) and, when found, ``out/tokenizer.json``. Atomic: built in a temp dir."""
+    step_dir = resolve_step_dir(path)
+    verify(step_dir)
+    if not (step_dir / "universal" / "meta.json").is_file():
+        raise CheckpointError(f"{step_dir}: no universal/ state to export (checkpoint.universal was off)")
+    config = yaml.safe_load((step_dir / "config.yaml").read_text())
+    full, _ = universal.read_full(step_dir, ("",))
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tensors = {name: t[""].to(target).contiguous() for name, t in full.items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        step = json.loads((step_dir / STATE).read_text())["step"]
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step), "dtype": dtype})
+        (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
+        tokenizer = _tokenizer_of(config)
+        if tokenizer is not None:
+            shutil.copy(tokenizer, tmp / "tokenizer.json")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
