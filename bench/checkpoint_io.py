@@ -1,0 +1,137 @@
+"""Checkpoint save / load time and size for a 125M-class GOAT model on CPU: ZeRO-0 vs ZeRO-3 on DP=2.
+
+Each stage runs under torchrun (2 processes, gloo): build the model (12 layers, hidden 768, 12 heads,
+vocab 50304), take one training step so that Adam state exists, then time ``CheckpointManager.save``
+(DeepSpeed shards + the layout-independent universal copy + manifest with sha256 + atomic publish) and
+``load`` into the same engine. Prints bytes written and MB/s per phase.
+
+    python bench/checkpoint_io.py [--layers 12] [--hidden 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def worker(args) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from goat_dist import distributed
+    from goat_dist.checkpoint import CheckpointManager
+    from goat_dist.config import load_config
+    from goat_dist.model import GPT
+    from goat_dist.trainer.parallelize import parallelize
+
+    cfg = load_config(
+        None,
+        [
+            f"model.num_layers={args.layers}",
+            f"model.hidden_size={args.hidden}",
+            "model.num_heads=12",
+            "model.vocab_size=50304",
+            "model.seq_len=128",
+            "model.attention_backend=sdpa",
+            f"parallel.zero_stage={args.stage}",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=2",
+        ],
+    )
+    layout = distributed.init(tp=1)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = parallelize(model, cfg, grad_accum=1)
+    tokens = torch.randint(0, 50304, (1, 129))
+    engine.backward(engine(tokens[:, :-1], torch.arange(128)[None], tokens[:, 1:]))
+    engine.step()
+    manager = CheckpointManager(Path(args.out).parent / "run", keep_last=1, is_main=layout.is_main)
+    state = {
+        "step": 1,
+        "run_state": {},
+        **dict(world=layout.world, tp=1, dp=layout.dp, zero_stage=args.stage),
+    }
+    dist.barrier()
+    t0 = time.perf_counter()
+    step_dir = manager.save(engine, state, "model: {}\n")
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    manager.load(engine, step_dir, {k: state[k] for k in ("world", "tp", "dp", "zero_stage")})
+    load_s = time.perf_counter() - t0
+    if layout.is_main:
+        files = [p for p in step_dir.rglob("*") if p.is_file()]
+        ds = sum(p.stat().st_size for p in files if "universal" not in p.parts)
+        uni = sum(p.stat().st_size for p in files if "universal" in p.parts)
+        params = (
+            sum(p.numel() for p in model.parameters())
+            if args.stage < 3
+            else sum(p.ds_numel for p in model.parameters())
+        )
+        Path(args.out).write_text(
+            json.dumps(
+                {"save_s": save_s, "load_s": load_s, "ds_bytes": ds, "universal_bytes": uni, "params": params}
+            )
+        )
+    distributed.exit_process(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    print(f"GOAT GPT {args.layers} layers, hidden {args.hidden}, vocab 50304, fp32, DP=2 on CPU (gloo)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in (0, 3):
+            out = Path(tmp) / f"zero{stage}" / "result.json"
+            out.parent.mkdir()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+            env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                f"--master_port={port}",
+                __file__,
+                "--worker",
+                f"--stage={stage}",
+                f"--out={out}",
+                f"--layers={args.layers}",
+                f"--hidden={args.hidden}",
+            ]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"ZeRO-{stage} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(out.read_text())
+            total = r["ds_bytes"] + r["universal_bytes"]
+            ds_mb, uni_mb = r["ds_bytes"] / 1e6, r["universal_bytes"] / 1e6
+            print(
+                f"  ZeRO-{stage}: {r['params'] / 1e6:.0f}M params | written {total / 1e6:8.1f} MB "
+                f"(DeepSpeed shards {ds_mb:.1f} + universal {uni_mb:.1f}) | "
+                f"save {r['save_s']:6.1f} s = {total / 1e6 / r['save_s']:6.1f} MB/s | "
+                f"load {r['load_s']:6.1f} s = {r['ds_bytes'] / 1e6 / r['load_s']:6.1f} MB/s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
