@@ -52,3 +52,27 @@ def test_export_load_logits_match_training_model(world1, tmp_path):
         got = loaded(tokens[:, :-1], positions)[..., :300]
     assert (got - expected).abs().max().item() <= 1e-5
     assert not torch.equal(expected, GPT(cfg.model).eval()(tokens[:, :-1], positions)[..., :300])
+
+
+def test_generate_smoke(world1, builtin_cache, tmp_path):
+    """Greedy generation from an exported model produces text that starts with the prompt."""
+    from goat_dist.data import builtin_dataset_dir, load_tokenizer
+    from goat_dist.inference import generate
+
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.seq_len=32",
+            "model.attention_backend=sdpa",
+        ],
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg.model).eval()
+    tokenizer = load_tokenizer(builtin_dataset_dir(builtin_cache, 4096) / "tokenizer.json")
+    text = generate(model, tokenizer, "def read(path):", max_new_tokens=5)
+    assert text.startswith("def read(path):") and len(tokenizer.encode(text).ids) > len(
+        tokenizer.encode("def read(path):").ids
+    )
