@@ -2,85 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from multiproc import ROOT, clean_env, goat_train_command, per_step, records
+from multiproc import run as run_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-BASE = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.seq_len=64",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=2",
-    "train.lr=2e-3",
-    "train.warmup_steps=3",
-    "train.precision=fp32",
-    "train.eval_interval=0",
-    "log.interval=1",
-    "log.tensorboard=false",
-    "model.attention_backend=sdpa",
-    "data.builtin_max_bytes=1000000",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(nproc: int, overrides: list[str]) -> list[str]:
-    goat = ["-m", "goat_dist", "train", *BASE, *overrides]
-    if nproc == 1:
-        return [sys.executable, *goat]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        *goat,
-    ]
-
-
-def env(**extra) -> dict:
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    e = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    e.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
-    return e
+    return goat_train_command(nproc, overrides)
 
 
 def run(nproc, overrides, expect=0, timeout=400, **extra_env):
-    proc = subprocess.run(
-        command(nproc, overrides),
-        env=env(**extra_env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def per_step(run_dir: Path) -> dict[int, tuple[float, int]]:
-    """step -> (loss, data fingerprint); a resumed run's later records win."""
-    return {r["step"]: (r["loss"], r["data_fingerprint"]) for r in records(run_dir) if "loss" in r}
+    return run_cmd(command(nproc, overrides), expect=expect, timeout=timeout, **extra_env)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -116,7 +56,7 @@ def test_sigkill_then_exact_resume(nproc, layout, tmp_path, builtin_cache):
     resumed = tmp_path / "resumed"
     proc = subprocess.Popen(
         command(nproc, [*common, f"run.dir={resumed}"]),
-        env=env(),
+        env=clean_env(),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -145,7 +85,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, builtin_cache):
     ]
     proc = subprocess.run(
         command(2, common),
-        env=env(GOAT_FAULT="before_publish:20"),
+        env=clean_env(GOAT_FAULT="before_publish:20"),
         capture_output=True,
         text=True,
         timeout=400,
@@ -171,7 +111,7 @@ def test_sigterm_saves_and_exits_with_requeue_code(nproc, tmp_path, builtin_cach
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         command(nproc, ["train.max_steps=100000", f"data.cache_dir={builtin_cache}", f"run.dir={run_dir}"]),
-        env=env(),
+        env=clean_env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

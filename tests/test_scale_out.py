@@ -7,77 +7,28 @@ tensor with the single-process gradients. Marked slow: `pytest -m "not slow"` sk
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from multiproc import ROOT, goat_train_command, launch_command, per_step
+from multiproc import run as run_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-BASE = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.seq_len=64",
-    "model.vocab_size=4096",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=2",
-    "train.max_steps=10",
-    "train.lr=2e-3",
-    "train.warmup_steps=3",
-    "train.precision=fp32",
-    "train.eval_interval=0",
-    "log.interval=1",
-    "log.tensorboard=false",
-    "model.attention_backend=sdpa",
-    "data.builtin_max_bytes=1000000",
-]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env() -> dict:
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+def torchrun(nproc: int, args: list[str], timeout: int = 300):
+    return run_cmd(launch_command(nproc, args), timeout=timeout)
 
 
 def train(nproc: int, overrides: list[str], run_dir: Path, cache: Path) -> list[float]:
-    torchrun(
-        nproc,
-        ["-m", "goat_dist", "train", *BASE, *overrides, f"data.cache_dir={cache}", f"run.dir={run_dir}"],
+    run_cmd(
+        goat_train_command(
+            nproc, ["train.max_steps=10", *overrides, f"data.cache_dir={cache}", f"run.dir={run_dir}"]
+        )
     )
-    return losses(run_dir)
+    return [loss for loss, _ in per_step(run_dir).values()]
 
 
 @pytest.fixture(scope="module")
@@ -141,21 +92,7 @@ def test_tp2_sp_gradients_equal_single_process(world1, tmp_path, position):
 
 
 def test_impossible_layout_is_rejected_before_work(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "goat_dist",
-        "train",
-        *BASE,
-        "parallel.tp=2",
-        "model.num_heads=3",
-        "model.hidden_size=96",
-        f"run.dir={tmp_path}",
-    ]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=200, cwd=ROOT)
-    assert proc.returncode != 0
+    overrides = ["parallel.tp=2", "model.num_heads=3", "model.hidden_size=96", f"run.dir={tmp_path}"]
+    proc = run_cmd(goat_train_command(2, overrides), expect=None, timeout=200)
+    assert proc.returncode != 0  # the workers exit 2; torchrun reports their failure
     assert "model.num_heads=3 is not divisible by parallel.tp=2" in proc.stderr + proc.stdout

@@ -1,0 +1,84 @@
+"""Shared helpers for tests that launch real runs: `goat train` in subprocesses, under torchrun when
+more than one process, with a clean launcher environment, and their metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a tiny model on the small builtin corpus: seconds per run on 2 CPU cores
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.seq_len=64",
+    "model.vocab_size=4096",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.lr=2e-3",
+    "train.warmup_steps=3",
+    "train.precision=fp32",
+    "train.eval_interval=0",
+    "log.interval=1",
+    "log.tensorboard=false",
+    "model.attention_backend=sdpa",
+    "data.builtin_max_bytes=1000000",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    """This environment without a parent world's launcher variables (they would hijack the child's)."""
+    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def launch_command(nproc: int, args: list[str]) -> list[str]:
+    """``python <args>`` for one process, ``torchrun --nproc_per_node=N <args>`` for more."""
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *args,
+    ]
+
+
+def goat_train_command(nproc: int, overrides: list[str]) -> list[str]:
+    return launch_command(nproc, ["-m", "goat_dist", "train", *TINY, *overrides])
+
+
+def run(cmd: list[str], expect: int | None = 0, timeout: int = 400, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    if expect is not None:
+        assert proc.returncode == expect, (
+            f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def per_step(run_dir: Path) -> dict[int, tuple[float, int]]:
+    """step -> (loss, data fingerprint); a resumed run's later records win."""
+    return {r["step"]: (r["loss"], r["data_fingerprint"]) for r in records(run_dir) if "loss" in r}
