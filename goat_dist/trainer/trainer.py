@@ -137,10 +137,10 @@ class Trainer:
         c, step = self.cfg.checkpoint, self.state.step
         if c.interval and step % c.interval == 0:
             return True
-        minutes = c.interval_minutes and (time.monotonic() - self._last_save_time) / 60 >= c.interval_minutes
-        if not minutes:
+        if not c.interval_minutes:
             return False
-        due = torch.tensor([1])  # wall clocks differ between ranks: rank 0 decides for all
+        # Wall clocks differ between ranks: every rank joins the broadcast, rank 0's clock decides.
+        due = torch.tensor([int((time.monotonic() - self._last_save_time) / 60 >= c.interval_minutes)])
         dist.broadcast(due, src=0)
         return bool(due.item())
 
