@@ -1,4 +1,4 @@
-"""Tests of the data layer: corpus, tokenizer, shard format, packing and the built-in data set."""
+"""Tests of the data layer: corpus, tokenizer, shard format and the built-in data set."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from goat_dist.data import (
     EOS_TOKEN,
     FORMAT,
-    PackedSequences,
     ShardError,
     ShardWriter,
+    build_train_loader,
     eos_id,
     iter_documents,
     load_tokenizer,
@@ -207,114 +206,6 @@ def test_verify_shards_catches_truncation_at_member_boundary(tmp_path):
         verify_shards(tmp_path)
 
 
-# ---------------------------------------------------------------- packing
-
-
-@pytest.fixture()
-def packed_shards(tmp_path) -> list[str]:
-    """Six shards of documents with distinct token values, so windows are easy to locate."""
-    rng = np.random.default_rng(1)
-    paths = []
-    start = 0
-    for s in range(6):
-        with ShardWriter(tmp_path, f"part{s}", vocab_size=60_000) as w:
-            for d in range(int(rng.integers(2, 6))):
-                n = int(rng.integers(1, 400))
-                w.write(f"doc-{s}-{d}", np.arange(start, start + n) % 60_000)
-                start += n
-        paths.extend(str(tmp_path / e["name"]) for e in w.shards)
-    return paths
-
-
-def _stream(ds: PackedSequences, epoch: int) -> np.ndarray:
-    return np.concatenate([ids for _, ids in iter_documents(ds.shard_order(epoch))]).astype(np.int64)
-
-
-def _take(ds, n: int) -> list[dict]:
-    it = iter(ds)
-    return [next(it) for _ in range(n)]
-
-
-def test_packing_windows_are_stream_slices(packed_shards):
-    seq_len = 37
-    ds = PackedSequences(packed_shards, seq_len, seed=3)
-    stream = _stream(ds, 0)
-    per_epoch = (len(stream) - 1) // seq_len
-    samples = _take(ds, per_epoch + 5)  # crosses into epoch 1
-    for n, s in enumerate(samples[:per_epoch]):
-        assert s["tokens"].dtype == torch.long and s["tokens"].shape == (seq_len,)
-        np.testing.assert_array_equal(s["tokens"].numpy(), stream[n * seq_len : (n + 1) * seq_len])
-        np.testing.assert_array_equal(s["labels"].numpy(), stream[n * seq_len + 1 : (n + 1) * seq_len + 1])
-        assert torch.equal(s["tokens"][1:], s["labels"][:-1])
-        assert torch.equal(s["position_ids"], torch.arange(seq_len))
-    stream1 = _stream(ds, 1)
-    for n, s in enumerate(samples[per_epoch:]):
-        np.testing.assert_array_equal(s["tokens"].numpy(), stream1[n * seq_len : (n + 1) * seq_len])
-
-
-def test_packing_dp_ranks_partition_the_stream(packed_shards, monkeypatch):
-    seq_len, n = 16, 120
-    full = _take(PackedSequences(packed_shards, seq_len, seed=5), n)
-    ranks = [
-        _take(PackedSequences(packed_shards, seq_len, seed=5, dp_rank=r, dp_size=2), n // 2) for r in (0, 1)
-    ]
-    interleaved = [s for pair in zip(*ranks, strict=True) for s in pair]
-    for a, b in zip(full, interleaved, strict=True):
-        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"], b["labels"])
-    keys0 = {tuple(s["tokens"].tolist()) for s in ranks[0]}
-    keys1 = {tuple(s["tokens"].tolist()) for s in ranks[1]}
-    assert not keys0 & keys1
-
-    # the split follows dp_rank/dp_size only, never the launcher's environment
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    again = _take(PackedSequences(packed_shards, seq_len, seed=5), n)
-    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(full, again, strict=True))
-
-
-def test_packing_is_seeded(packed_shards):
-    a = _take(PackedSequences(packed_shards, 20, seed=11), 50)
-    b = _take(PackedSequences(packed_shards, 20, seed=11), 50)
-    assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(a, b, strict=True))
-    ds = PackedSequences(packed_shards, 20, seed=11)
-    orders = {tuple(ds.shard_order(e)) for e in range(4)}
-    assert len(orders) > 1  # epochs read the shards in different orders
-    assert sorted(ds.shard_order(0)) == sorted(packed_shards)
-    assert ds.shard_order(0) != PackedSequences(packed_shards, 20, seed=12).shard_order(0)
-
-
-def test_packing_dataloader_workers_cover_the_rank_stream(packed_shards):
-    seq_len, dp_size, dp_rank = 16, 2, 1
-    ds = PackedSequences(packed_shards, seq_len, seed=2, dp_rank=dp_rank, dp_size=dp_size)
-    per_epoch_rank = len(list(ds.iter_windows(0)))
-    per_rank = len(range(dp_rank, per_epoch_rank, dp_size))
-    per_rank -= per_rank % 4  # whole batches of each of the 2 workers
-    reference = _take(ds, per_rank)
-    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
-    got = []
-    for batch in loader:
-        got.extend(batch["tokens"])
-        if len(got) >= per_rank:
-            break
-    ref_set = sorted(tuple(s["tokens"].tolist()) for s in reference)
-    got_set = sorted(tuple(t.tolist()) for t in got[:per_rank])
-    assert got_set == ref_set
-
-
-def test_packing_errors(tmp_path, packed_shards):
-    with ShardWriter(tmp_path / "tiny", vocab_size=100) as w:
-        w.write("doc-0", [1, 2, 0])
-    tiny = [str(tmp_path / "tiny" / e["name"]) for e in w.shards]
-    with pytest.raises(ValueError, match="fewer than seq_len"):
-        next(iter(PackedSequences(tiny, 8)))
-    with pytest.raises(ValueError, match="dp_size"):
-        _take(PackedSequences(tiny, 1, dp_rank=2, dp_size=3), 1)
-    with pytest.raises(ValueError):
-        PackedSequences([], 8)
-    with pytest.raises(ValueError):
-        PackedSequences(packed_shards, 8, dp_rank=2, dp_size=2)
-
-
 # ---------------------------------------------------------------- built-in data set
 
 
@@ -348,8 +239,10 @@ def test_prepare_builtin_dataset_is_idempotent(tmp_path, texts):
     with pytest.raises(ValueError, match="max_bytes"):
         prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES + 1, log=logs.append)
 
-    sample = next(iter(PackedSequences(train, 64)))
-    assert int(sample["tokens"].max()) < 512
+    batch = next(
+        iter(build_train_loader([str(d)], seq_len=64, micro_batch_size=2, dp_rank=0, dp_size=1, seed=0))
+    )
+    assert int(batch["tokens"].max()) < 512
 
 
 def test_prepare_builtin_dataset_crash_leaves_nothing(tmp_path, monkeypatch):
@@ -361,20 +254,3 @@ def test_prepare_builtin_dataset_crash_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="mid-build"):
         prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES, log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
-
-
-def test_shuffle_buffer_is_deterministic_and_keeps_the_dp_split(packed_shards):
-    seq_len, n = 8, 40
-    plain = _take(PackedSequences(packed_shards, seq_len, seed=5), n)
-    mixed = _take(PackedSequences(packed_shards, seq_len, seed=5, shuffle_buffer=16), n)
-    assert [s["tokens"].tolist() for s in mixed] != [s["tokens"].tolist() for s in plain]
-    again = _take(PackedSequences(packed_shards, seq_len, seed=5, shuffle_buffer=16), n)
-    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(mixed, again))
-    ranks = [
-        _take(
-            PackedSequences(packed_shards, seq_len, seed=5, dp_rank=r, dp_size=2, shuffle_buffer=16), n // 2
-        )
-        for r in (0, 1)
-    ]
-    interleaved = [s for pair in zip(*ranks) for s in pair]
-    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(mixed, interleaved))

@@ -1,8 +1,7 @@
 """Data layer: offline corpus, BPE tokenizer, webdataset tar shards with a manifest, sequence packing.
 
 Module boundaries: `corpus` produces texts, `tokenizer` turns texts into ids, `shards` owns the
-on-disk format, `packing` turns shards into training sequences, `builtin` wires them together for
-the default data set.
+on-disk format, `builtin` wires them together for the default data set.
 
 The production path: `inputs` reads raw corpora, `prepare` (+ `restart`) tokenizes them into
 shards, `inspection` verifies them, `commands` exposes all three as `goat data ...`; `loader`
@@ -13,7 +12,6 @@ which window feeds which sample, `reader`: reading token ranges).
 from goat_dist.data.builtin import builtin_dataset_dir, prepare_builtin_dataset, split_shard_paths
 from goat_dist.data.corpus import stdlib_documents
 from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_loader
-from goat_dist.data.packing import PackedSequences
 from goat_dist.data.shards import (
     FORMAT,
     ShardError,
@@ -29,7 +27,6 @@ __all__ = [
     "EOS_TOKEN",
     "FORMAT",
     "PackedBatches",
-    "PackedSequences",
     "ShardError",
     "ShardWriter",
     "build_train_loader",
