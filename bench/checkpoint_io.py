@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from goat_dist.distributed import free_port
 
 
 def worker(args) -> None:
@@ -100,9 +101,7 @@ def main() -> None:
         for stage in (0, 3):
             out = Path(tmp) / f"zero{stage}" / "result.json"
             out.parent.mkdir()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
             env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
             cmd = [

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -113,9 +112,9 @@ def worker(args) -> None:
 
 
 def launch(tp: int, sp: bool, args, out: Path) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from goat_dist.distributed import free_port
+
+    port = free_port()
     threads = max(os.cpu_count() // tp, 1)
     env = {
         k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"}

@@ -14,17 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from goat_dist.distributed import free_port
 
 
 def measure(stage: int, precision: str, args, workdir: Path) -> dict:

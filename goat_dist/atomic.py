@@ -1,4 +1,5 @@
-"""Crash-safe file writes: temp file in the same directory, fsync, os.replace, fsync the directory.
+"""Crash-safe file writes (temp file in the same directory, fsync, os.replace, fsync the directory)
+and the file digest that manifests record.
 
 Why: data artifacts (tokenizer, shards, manifest) are read by many ranks, often on shared file
 systems; a reader must see either the old complete file or the new complete file, never a torn one.
@@ -6,6 +7,7 @@ systems; a reader must see either the old complete file or the new complete file
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -60,3 +62,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write UTF-8 `text` to `path` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

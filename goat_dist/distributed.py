@@ -35,7 +35,7 @@ class Layout:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,7 +72,7 @@ def init(tp: int = 1, seed: int = 0) -> Layout:
             dist.init_process_group(backend=backend)
         else:  # a single process: a private store, so child processes can start worlds of their own
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
-            url = f"tcp://127.0.0.1:{_free_port()}"
+            url = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

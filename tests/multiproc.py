@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from goat_dist.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +31,6 @@ TINY = [
     "model.attention_backend=sdpa",
     "data.builtin_max_bytes=1000000",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra) -> dict:

@@ -13,7 +13,6 @@ the manifest exists: a crash at any point before leaves the previous checkpoint 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, sha256_file
 from . import rng, universal
 
 MANIFEST = "manifest.json"
@@ -38,18 +37,10 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(step_dir: Path, extra: dict) -> None:
     files = {}
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(path.relative_to(step_dir))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[str(path.relative_to(step_dir))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     atomic_write_text(step_dir / MANIFEST, json.dumps({"files": files, **extra}, indent=1))
 
 
@@ -73,7 +64,7 @@ def verify(step_dir: Path, checksums: bool = True) -> dict:
                 f"checkpoint {step_dir} (step {manifest.get('step')}): {name} has {size} bytes, "
                 f"expected {meta['bytes']} (truncated?)"
             )
-        if checksums and _sha256(path) != meta["sha256"]:
+        if checksums and sha256_file(path) != meta["sha256"]:
             raise CheckpointError(
                 f"checkpoint {step_dir} (step {manifest.get('step')}): {name} checksum mismatch"
             )

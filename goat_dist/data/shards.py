@@ -29,7 +29,7 @@ from webdataset import tariterators
 from webdataset.gopen import gopen
 from webdataset.writer import TarWriter
 
-from goat_dist.atomic import atomic_write_text, commit_file, temp_path_for
+from goat_dist.atomic import atomic_write_text, commit_file, sha256_file, temp_path_for
 
 FORMAT = "goat-dist-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -55,14 +55,6 @@ def ids_field(vocab_size: int) -> str:
 def dtype_name(vocab_size: int) -> str:
     """Manifest `dtype` for a vocabulary size ("uint16" or "uint32")."""
     return DTYPE_NAMES[ids_field(vocab_size)]
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _HashingFile:

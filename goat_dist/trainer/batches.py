@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..data import build_train_loader, build_val_loader, prepare_builtin_dataset, read_manifest
+from ..data.shards import is_url
 from ..distributed import Layout
 
 
@@ -16,9 +17,7 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
     if cfg.data.sources:
         sources = [
             {
-                "path": str(Path(s["path"]).expanduser())
-                if "://" not in s["path"] and not s["path"].startswith("pipe:")
-                else s["path"],
+                "path": s["path"] if is_url(s["path"]) else str(Path(s["path"]).expanduser()),
                 "weight": float(s.get("weight", 1.0)),
             }
             for s in cfg.data.sources
@@ -35,7 +34,7 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
     else:
         sources = [{"path": str(Path(cfg.data.source).expanduser()), "weight": 1.0}]
     for src in sources:
-        if "://" in src["path"] or src["path"].startswith("pipe:"):
+        if is_url(src["path"]):
             continue  # remote: the loader reads its manifest
         vocab = read_manifest(src["path"])["vocab_size"]
         if vocab > cfg.model.vocab_size:

@@ -98,6 +98,7 @@ class Trainer:
         )
         self.resumed_from = self._resume()
         self.signals = StopSignals()
+        self._skipped = 0  # samples with unreadable data in the current step (data.on_error=skip)
 
     def _resume(self) -> Path | None:
         """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path."""
@@ -228,8 +229,6 @@ class Trainer:
         gathered = [torch.zeros(len(keys), dtype=torch.long) for _ in range(self.layout.world)]
         dist.all_gather(gathered, torch.tensor([local[k] for k in keys]))
         return {k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}
-
-    _skipped = 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
