@@ -1,6 +1,6 @@
 """Data pipeline throughput, side by side on this machine.
 
-1. `goat data prepare` (the real command, --workers W) vs raw `tokenizers` encode_batch on the
+1. `goat-dist data prepare` (the real command, --workers W) vs raw `tokenizers` encode_batch on the
    same text with the same W: the best of (W single-threaded encode_batch processes, one
    encode_batch process with the tokenizer's own threads). Ratio target >= 0.8.
 2. Loader tokens/s at seq_len 2048, micro-batch 8, 2 DataLoader workers, vs the ~150k tokens/s a
@@ -128,7 +128,7 @@ def main() -> None:
     rows = [
         (f"encode_batch, pool of {w} processes", pool_rate),
         ("encode_batch, one process, own threads", threads_rate),
-        (f"goat data prepare --workers {w}", prep),
+        (f"goat-dist data prepare --workers {w}", prep),
         ("loader, seq 2048, micro-batch 8, 2 workers", loader),
         ("125M model on one H100 (consumes)", H100_125M_TOKENS_PER_S),
     ]

@@ -1,7 +1,7 @@
 """Tokens/s of TP=1 vs TP=2 for a CPU-sized GOAT model, and the communication share of a TP=2 step.
 
 Each layout runs under torchrun on this machine's cores (TP=1: one process with all threads; TP=2: two
-processes with half the threads each), trains through the same DeepSpeed engine as ``goat train`` on
+processes with half the threads each), trains through the same DeepSpeed engine as ``goat-dist train`` on
 random tokens; the communication share is the wall time rank 0 spends inside torch.distributed
 collectives (all-reduce, all-gather, reduce-scatter; waiting for the peer included) over the step time.
 On CPU the goal is a correct, measured report, not speed-up: the ranks share the cores and memory

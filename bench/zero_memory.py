@@ -1,6 +1,6 @@
 """Per-rank training-state memory under DeepSpeed ZeRO 0/1/2/3 on DP=2, measured, side by side.
 
-Runs ``goat train`` (torchrun, 2 processes, CPU/gloo) for two steps per stage; the trainer measures the
+Runs ``goat-dist train`` (torchrun, 2 processes, CPU/gloo) for two steps per stage; the trainer measures the
 bytes each rank holds for parameters, gradients and optimizer state during the second step (where
 gradients and Adam state coexist) and records them in metrics.jsonl. Printed for mixed precision
 (``train.precision=bf16``: bf16 parameters and gradients, fp32 master weights and Adam state, the usual

@@ -1,4 +1,4 @@
-"""``goat`` command line: ``goat train [--config FILE] [section.key=value ...]``.
+"""``goat-dist`` command line: ``goat-dist train [--config FILE] [section.key=value ...]``.
 
 ``torchrun --nproc_per_node=N -m goat_dist train ...`` is the distributed form of the same command.
 """
@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"goat train: {e}", file=sys.stderr)
+        print(f"goat-dist train: {e}", file=sys.stderr)
         return 2
     _quiet_third_party()
     from .checkpoint import CheckpointError
@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         state = run(cfg)
     except (LayoutError, CheckpointError) as e:
-        print(f"goat train: {e}", file=sys.stderr)
+        print(f"goat-dist train: {e}", file=sys.stderr)
         exit_process(2)
     # deterministic teardown; never returns. A run stopped by a signal exits EXIT_CHECKPOINTED (75).
     exit_process(EXIT_CHECKPOINTED if state.stop_requested else 0)
@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="goat", description="Pretrain decoder LMs with GOAT attention priors."
+        prog="goat-dist", description="Pretrain decoder LMs with GOAT attention priors."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: the tiny GOAT model on the builtin corpus)")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except CheckpointError as e:
-        print(f"goat {args.command}: {e}", file=sys.stderr)
+        print(f"goat-dist {args.command}: {e}", file=sys.stderr)
         return 2
 
 

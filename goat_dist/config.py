@@ -16,6 +16,20 @@ from typing import Any
 import yaml
 
 
+# The allowed values of every choice key, defined once (validation, the CLI and the kernels use these).
+POSITIONS = ("goat", "rope", "alibi", "none", "learned")
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "eager")
+ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+PRIOR_INITS = ("seeded", "uniform")
+PRECISIONS = ("auto", "fp32", "bf16")
+ON_ERROR = ("raise", "skip")
+ON_NONFINITE = ("raise", "skip")
+DATA_RESUME = ("check", "restart")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+EXPORT_DTYPES = ("fp32", "bf16")
+
+
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it."""
 
@@ -79,11 +93,16 @@ class TrainConfig:
     eval_interval: int = 100  # steps between validation passes; 0 disables
     eval_batches: int = 4
     resume: str = "auto"  # auto (latest checkpoint of the run dir, if any) | never | <checkpoint step dir>
+    data_resume: str = "check"  # check (refuse a changed data contract on resume) | restart (new stream)
+    on_nonfinite: str = "raise"  # raise | skip (drop the update; counted as nonfinite_skipped)
+    max_nonfinite_in_row: int = 5  # skip mode: raise after this many non-finite steps in a row
+    stop_at: str | None = None  # a wall-clock deadline (ISO 8601): save and exit 75 before it
+    time_limit_minutes: float = 0.0  # the same, as minutes from the start of this process; 0: off
 
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat data` shard dir/URL
+    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat-dist data` shard dir/URL
     sources: list | None = None  # a mixture instead of `source`: [{path: ..., weight: ...}, ...]
     cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
     builtin_max_bytes: int = 8_000_000
@@ -232,13 +251,15 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no process group (layout checks against the world size live in distributed)."""
     m, t = cfg.model, cfg.train
-    _choice("model.position", m.position, ("goat", "rope", "alibi", "none", "learned"))
-    _choice("model.attention_backend", m.attention_backend, ("auto", "flash", "sdpa", "eager"))
-    _choice("model.activation", m.activation, ("swiglu", "gelu"))
-    _choice("model.norm", m.norm, ("rmsnorm", "layernorm"))
-    _choice("model.goat.prior_init", m.goat.prior_init, ("seeded", "uniform"))
-    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
-    _choice("data.on_error", cfg.data.on_error, ("raise", "skip"))
+    _choice("model.position", m.position, POSITIONS)
+    _choice("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
+    _choice("model.activation", m.activation, ACTIVATIONS)
+    _choice("model.norm", m.norm, NORMS)
+    _choice("model.goat.prior_init", m.goat.prior_init, PRIOR_INITS)
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("data.on_error", cfg.data.on_error, ON_ERROR)
+    _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _choice("train.data_resume", t.data_resume, DATA_RESUME)
     for i, src in enumerate(cfg.data.sources or []):
         if not isinstance(src, dict) or set(src) - {"path", "weight"} or "path" not in src:
             raise ConfigError(
@@ -248,7 +269,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"data.sources[{i}].weight must be a positive number, got {src.get('weight')!r}"
             )
-    _choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
     kv = m.num_kv_heads or m.num_heads
@@ -274,6 +295,7 @@ def validate(cfg: Config) -> None:
         "model.seq_len": m.seq_len,
         "log.interval": cfg.log.interval,
         "parallel.tp": cfg.parallel.tp,
+        "train.max_nonfinite_in_row": t.max_nonfinite_in_row,
     }
     for key, value in positive.items():
         if value < 1:

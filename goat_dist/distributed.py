@@ -1,6 +1,6 @@
 """Process groups: torch.distributed + megatron-core ``parallel_state``, set up and torn down once.
 
-One process (``goat train``) and many (``torchrun -m goat_dist train``) take the same path: without
+One process (``goat-dist train``) and many (``torchrun -m goat_dist train``) take the same path: without
 torchrun's environment a world of size 1 is created, so the model is always built from megatron-core's
 tensor-parallel layers.
 """

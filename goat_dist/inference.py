@@ -1,4 +1,4 @@
-"""Load an exported model (``goat ckpt export``) on one process, and greedy generation.
+"""Load an exported model (``goat-dist ckpt export``) on one process, and greedy generation.
 
 from goat_dist.inference import load_exported, generate
 model, tokenizer = load_exported("exported/")

@@ -1,4 +1,4 @@
-"""Shared helpers for tests that launch real runs: `goat train` in subprocesses, under torchrun when
+"""Shared helpers for tests that launch real runs: `goat-dist train` in subprocesses, under torchrun when
 more than one process, with a clean launcher environment, and their metrics.jsonl."""
 
 from __future__ import annotations

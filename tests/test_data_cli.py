@@ -1,4 +1,4 @@
-"""Tests of `goat data tokenizer train / prepare / inspect` through the argparse entry point."""
+"""Tests of `goat-dist data tokenizer train / prepare / inspect` through the argparse entry point."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_prepare_inspect_round_trip(docs, tokenizer, tmp_path, capsys):
     manifest = read_manifest(out)
     tok = load_tokenizer(out / "tokenizer.json")
     assert manifest["eos_id"] == tok.token_to_id("<|endoftext|>")
-    assert "goat data prepare" in manifest["command"] and len(manifest["source"]["inputs"]) == len(files)
+    assert "goat-dist data prepare" in manifest["command"] and len(manifest["source"]["inputs"]) == len(files)
     assert manifest["source"]["n_docs"] == len(docs)
     assert len(manifest["splits"]["train"]) > 3 and manifest["splits"]["val"]
 

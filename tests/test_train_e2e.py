@@ -1,4 +1,4 @@
-"""`goat train` end to end in a subprocess, on a tiny model and the builtin corpus."""
+"""`goat-dist train` end to end in a subprocess, on a tiny model and the builtin corpus."""
 
 from __future__ import annotations
 

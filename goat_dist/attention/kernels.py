@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "flash", "sdpa", "eager")
+from ..config import ATTENTION_BACKENDS as BACKENDS
 
 
 def document_segments(position_ids: torch.Tensor) -> torch.Tensor | None:

@@ -1,10 +1,12 @@
-"""``goat ckpt inspect|export`` and ``goat generate``."""
+"""``goat-dist ckpt inspect|export`` and ``goat-dist generate``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from ..config import EXPORT_DTYPES
 
 
 def cmd_inspect(args) -> int:
@@ -40,7 +42,7 @@ def cmd_generate(args) -> int:
 
     model, tokenizer = load_exported(args.model)
     if tokenizer is None:
-        print(f"goat generate: {args.model} has no tokenizer.json", file=sys.stderr)
+        print(f"goat-dist generate: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
     print(generate(model, tokenizer, args.prompt, args.max_new_tokens))
     return 0
@@ -58,10 +60,10 @@ def register(sub) -> None:
     p = ckpt.add_parser("export", help="consolidated weights: model.safetensors + config.json")
     p.add_argument("path")
     p.add_argument("out")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("generate", help="greedy generation from an exported model (CPU smoke path)")
-    p.add_argument("--model", required=True, help="a `goat ckpt export` output directory")
+    p.add_argument("--model", required=True, help="a `goat-dist ckpt export` output directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.set_defaults(func=cmd_generate)

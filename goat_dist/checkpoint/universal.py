@@ -1,5 +1,5 @@
 """Layout-independent model + optimizer state: what lets a run resume on another TP / DP / ZeRO layout
-and what ``goat ckpt export`` reads.
+and what ``goat-dist ckpt export`` reads.
 
 Inside each checkpoint, ``universal/tp<R>.safetensors`` (written by the data-parallel rank 0 of every
 tensor-parallel rank R) holds, per parameter, this TP rank's slice gathered over data parallelism: the

@@ -4,7 +4,7 @@ Module boundaries: `corpus` produces texts, `tokenizer` turns texts into ids, `s
 on-disk format, `builtin` wires them together for the default data set.
 
 The production path: `inputs` reads raw corpora, `prepare` (+ `restart`) tokenizes them into
-shards, `inspection` verifies them, `commands` exposes all three as `goat data ...`; `loader`
+shards, `inspection` verifies them, `commands` exposes all three as `goat-dist data ...`; `loader`
 serves per-rank micro-batches from weighted sources (`sources`: where the shards are, `schedule`:
 which window feeds which sample, `reader`: reading token ranges).
 """

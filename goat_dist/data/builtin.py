@@ -1,6 +1,6 @@
 """The embedded default data set: Python stdlib text, a fresh BPE tokenizer, train/val shards.
 
-Why: `goat train` must run out of the box, offline, on any machine. The build takes seconds, is
+Why: `goat-dist train` must run out of the box, offline, on any machine. The build takes seconds, is
 cached under `cache_dir/builtin-stdlib-v{vocab_size}` and appears there atomically: it is built
 in a temporary sibling directory and renamed into place only when complete, so a crash never
 leaves a half data set and concurrent builders are safe (the first rename wins).

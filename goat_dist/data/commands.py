@@ -1,4 +1,4 @@
-"""`goat data ...` subcommands: tokenizer training, corpus preparation, data set inspection.
+"""`goat-dist data ...` subcommands: tokenizer training, corpus preparation, data set inspection.
 
 Why: the trainer reads shard directories; these commands make and check them. Exit codes: 0 ok,
 1 bad data (input named by file and line, corrupt shards named), 2 bad arguments or output dir.
@@ -16,7 +16,7 @@ from goat_dist.data.inputs import InputError, expand_inputs, iter_inputs
 
 
 def _error(cmd: str, exn: BaseException, code: int) -> int:
-    print(f"goat data {cmd}: error: {exn}", file=sys.stderr)
+    print(f"goat-dist data {cmd}: error: {exn}", file=sys.stderr)
     return code
 
 

@@ -1,6 +1,6 @@
 """A small real text corpus that exists offline on every machine: the Python standard library.
 
-Why: the default `goat train` must work without network access or downloaded data sets. The
+Why: the default `goat-dist train` must work without network access or downloaded data sets. The
 standard library's docstrings are English prose and its sources are real code, which is enough
 for smoke tests, throughput runs and small convergence checks.
 """

@@ -1,4 +1,4 @@
-"""`goat data inspect`: what a data set holds, and whether every shard matches its manifest.
+"""`goat-dist data inspect`: what a data set holds, and whether every shard matches its manifest.
 
 Why: before a long run, check that the shards are complete and readable (a truncated copy or a
 bit flip shows up here, by shard name, not hours into training) and look at what was tokenized.

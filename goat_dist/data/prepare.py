@@ -1,4 +1,4 @@
-"""`goat data prepare`: raw text -> tokenized train/val shards + manifest, in parallel, restartably.
+"""`goat-dist data prepare`: raw text -> tokenized train/val shards + manifest, in parallel, restartably.
 
 Why: the trainer reads `goat-dist-shards/1` data sets; this turns a corpus into one. The main
 process reads documents in a fixed order and cuts them into chunks; worker processes tokenize

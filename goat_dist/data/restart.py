@@ -1,4 +1,4 @@
-"""Restart bookkeeping of `goat data prepare`: which shards an interrupted run already finished.
+"""Restart bookkeeping of `goat-dist data prepare`: which shards an interrupted run already finished.
 
 Why: tokenizing a large corpus takes hours; a crash or preemption must not cost the finished
 shards. After each shard is committed, `.prepare-progress.json` (written atomically) records

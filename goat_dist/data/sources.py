@@ -5,7 +5,7 @@ it can skip whole shards on resume without opening them. Everything it needs abo
 is collected here, once, before any worker starts.
 
 A source is `{"path": P, "weight": w}` (or just `P`, weight 1). `P` is a local data set directory
-(`goat data prepare` output) or a URL prefix that webdataset's `gopen` opens, e.g.
+(`goat-dist data prepare` output) or a URL prefix that webdataset's `gopen` opens, e.g.
 `pipe:aws s3 cp s3://bucket/ds/{} -` or `https://host/ds`: the file `name` is located by
 replacing `{}` with it, or else by appending `/name`. The manifest is read the same way.
 """

@@ -309,7 +309,7 @@ def _fault_hook(point: str, step_dir: Path) -> None:
 
 
 def run(cfg: Config) -> RunState:
-    """Entry point of ``goat train``: train, then tear the process groups down cleanly."""
+    """Entry point of ``goat-dist train``: train, then tear the process groups down cleanly."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     try:
         state = Trainer(cfg).fit()
