@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from goat_dist.distributed import free_port
+from goat_dist.launcher import child_env, launch_command
 
 
 def worker(args) -> None:
@@ -101,22 +100,18 @@ def main() -> None:
         for stage in (0, 3):
             out = Path(tmp) / f"zero{stage}" / "result.json"
             out.parent.mkdir()
-            port = free_port()
-            env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
-            env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                f"--master_port={port}",
-                __file__,
-                "--worker",
-                f"--stage={stage}",
-                f"--out={out}",
-                f"--layers={args.layers}",
-                f"--hidden={args.hidden}",
-            ]
+            env = child_env(OMP_NUM_THREADS="1")
+            cmd = launch_command(
+                2,
+                [
+                    __file__,
+                    "--worker",
+                    f"--stage={stage}",
+                    f"--out={out}",
+                    f"--layers={args.layers}",
+                    f"--hidden={args.hidden}",
+                ],
+            )
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"ZeRO-{stage} failed:\n{proc.stderr[-3000:]}")

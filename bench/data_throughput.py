@@ -20,6 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from data_tools.cli import register
+from data_tools.corpus import stdlib_documents
+from data_tools.encode import CHUNK_BYTES, CHUNK_DOCS
+from data_tools.shard_format import TOKENIZER_NAME, read_manifest
+from data_tools.tokenizer import load_tokenizer, train_bpe
+
 H100_125M_TOKENS_PER_S = 150_000
 
 
@@ -37,9 +43,6 @@ def _encode_count(texts: list[str]) -> int:
 
 def raw_encode_tokens_per_s(docs: list[str], tokenizer_path: Path, workers: int) -> tuple[float, float]:
     """(pool of `workers` processes, one process with the tokenizer's threads) tokens/s."""
-    from goat_dist.data.prepare import CHUNK_BYTES, CHUNK_DOCS
-    from goat_dist.data.tokenizer import load_tokenizer
-
     chunks, chunk, size = [], [], 0
     for d in docs:
         chunk.append(d)
@@ -61,8 +64,6 @@ def raw_encode_tokens_per_s(docs: list[str], tokenizer_path: Path, workers: int)
 
 
 def prepare_tokens_per_s(docs: list[str], tokenizer_path: Path, out: Path, workers: int) -> float:
-    from goat_dist.data.commands import register
-
     src = out.parent / "corpus.jsonl"
     with open(src, "w", encoding="utf-8") as f:
         for d in docs:
@@ -77,7 +78,7 @@ def prepare_tokens_per_s(docs: list[str], tokenizer_path: Path, out: Path, worke
     if args.func(args) != 0:
         raise SystemExit("prepare failed")
     seconds = time.perf_counter() - t0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = read_manifest(out)
     tokens = sum(e["n_tokens"] - e["n_docs"] for s in manifest["splits"].values() for e in s)  # without EOS
     return tokens / seconds
 
@@ -107,12 +108,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best of each is shown")
     a = ap.parse_args()
 
-    from goat_dist.data import stdlib_documents, train_bpe
-
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         docs = stdlib_documents(a.max_bytes)
-        tok_path = tmp / "tokenizer.json"
+        tok_path = tmp / TOKENIZER_NAME
         train_bpe(docs, 4096, tok_path)
         mb = sum(len(d.encode()) for d in docs) / 1e6
         print(f"corpus: {len(docs)} stdlib documents, {mb:.1f} MB; byte-level BPE, vocab 4096")

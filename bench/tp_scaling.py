@@ -112,30 +112,24 @@ def worker(args) -> None:
 
 
 def launch(tp: int, sp: bool, args, out: Path) -> dict:
-    from goat_dist.distributed import free_port
+    from goat_dist.launcher import child_env, launch_command
 
-    port = free_port()
     threads = max(os.cpu_count() // tp, 1)
-    env = {
-        k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"}
-    }
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(threads))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={tp}",
-        f"--master_port={port}",
-        __file__,
-        "--worker",
-        f"--tp={tp}",
-        f"--out={out}",
-        f"--hidden={args.hidden}",
-        f"--layers={args.layers}",
-        f"--seq={args.seq}",
-        f"--batch={args.batch}",
-        f"--steps={args.steps}",
-    ]
+    env = child_env(OMP_NUM_THREADS=str(threads))
+    cmd = launch_command(
+        tp,
+        [
+            __file__,
+            "--worker",
+            f"--tp={tp}",
+            f"--out={out}",
+            f"--hidden={args.hidden}",
+            f"--layers={args.layers}",
+            f"--seq={args.seq}",
+            f"--batch={args.batch}",
+            f"--steps={args.steps}",
+        ],
+    )
     if sp:
         cmd.append("--sp")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

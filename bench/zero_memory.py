@@ -13,43 +13,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from goat_dist.distributed import free_port
+from goat_dist.launcher import child_env, launch_command
 
 
 def measure(stage: int, precision: str, args, workdir: Path) -> dict:
     run_dir = workdir / f"zero{stage}-{precision}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "goat_dist",
-        "train",
-        f"parallel.zero_stage={stage}",
-        f"train.precision={precision}",
-        f"model.hidden_size={args.hidden}",
-        f"model.num_layers={args.layers}",
-        "model.seq_len=128",
-        "train.max_steps=2",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=2",
-        "train.eval_interval=0",
-        "log.tensorboard=false",
-        f"run.dir={run_dir}",
-    ]
-    env = {
-        k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"}
-    }
-    env["DS_ACCELERATOR"] = "cpu"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = launch_command(
+        2,
+        [
+            "-m",
+            "goat_dist",
+            "train",
+            f"parallel.zero_stage={stage}",
+            f"train.precision={precision}",
+            f"model.hidden_size={args.hidden}",
+            f"model.num_layers={args.layers}",
+            "model.seq_len=128",
+            "train.max_steps=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "train.eval_interval=0",
+            "log.tensorboard=false",
+            f"run.dir={run_dir}",
+        ],
+    )
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"stage {stage} failed:\n{proc.stderr[-3000:]}")
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():

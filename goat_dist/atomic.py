@@ -72,7 +72,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def file_problem(path: str | os.PathLike, size: int, sha256: str | None, checksums: bool = True) -> str | None:
+def file_problem(
+    path: str | os.PathLike, size: int, sha256: str | None, checksums: bool = True
+) -> str | None:
     """What is wrong with ``path`` against its recorded size and sha256, or None when it matches.
 
     The one check behind every manifest (data shards, checkpoints): callers add which manifest and step.

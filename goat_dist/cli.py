@@ -12,17 +12,18 @@ import warnings
 
 
 def _quiet_third_party() -> None:
-    """Silence import-time noise from megatron/deepspeed that says nothing about the run."""
+    """Silence import-time noise from megatron/deepspeed that says nothing the user can act on
+    (optional GPU packages absent on purpose, deprecations inside those libraries)."""
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
 
 
-def _cuda() -> bool:
+def _select_accelerator() -> None:
+    """DeepSpeed picks its accelerator when first imported; name it, so it neither guesses nor warns."""
     import torch
 
-    return torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -33,17 +34,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"goat-dist train: {e}", file=sys.stderr)
         return 2
-    _quiet_third_party()
-    from .checkpoint import CheckpointError
-    from .distributed import LayoutError, exit_process
+    from .distributed import exit_process
     from .trainer import run
     from .trainer.signals import EXIT_CHECKPOINTED
+    from .trainer.trainer import USER_ERRORS, exit_code_for
 
     try:
         state = run(cfg)
-    except (LayoutError, CheckpointError) as e:
+    except USER_ERRORS as e:
         print(f"goat-dist train: {e}", file=sys.stderr)
-        exit_process(2)
+        exit_process(exit_code_for(e))
     # deterministic teardown; never returns. A run stopped by a signal exits EXIT_CHECKPOINTED (75).
     exit_process(EXIT_CHECKPOINTED if state.stop_requested else 0)
 
@@ -59,18 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=runs/x"
     )
     train.set_defaults(func=cmd_train)
-    from .data.commands import register as register_data
+    from data_tools.cli import register as register_data
 
     register_data(sub)
     from .checkpoint.commands import register as register_ckpt
 
     register_ckpt(sub)
+    from .doctor import register as register_doctor
+
+    register_doctor(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     _quiet_third_party()
+    args = build_parser().parse_args(argv)
+    if args.command == "data":  # data preparation never loads torch or DeepSpeed
+        return args.func(args)
+    _select_accelerator()
     from .checkpoint import CheckpointError
 
     try:

@@ -15,7 +15,6 @@ from typing import Any
 
 import yaml
 
-
 # The allowed values of every choice key, defined once (validation, the CLI and the kernels use these).
 POSITIONS = ("goat", "rope", "alibi", "none", "learned")
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "eager")
@@ -36,11 +35,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class GoatConfig:
-    pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes)
+    pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes of each q/k head)
     abs_rank: int = 4  # M: absolute Fourier features of the sink MLP
     pos_base: float = 10_000.0
     abs_base: float = 10_000.0
-    key_bias: bool = True  # the sink/recency lane u(j) (1 lane)
+    key_bias: bool = True  # the sink/recency term u(j): 3 lanes (bf16/fp16-exact split); 2R+3 in all
     prior_init: str = "seeded"  # seeded (ALiBi slopes) | uniform (starts as standard attention)
 
 
@@ -102,7 +101,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin (the Python stdlib's docs and source) | a `goat-dist data` shard dir/URL
+    source: str = (
+        "builtin"  # builtin (the Python stdlib's docs and source) | a `goat-dist data` shard dir/URL
+    )
     sources: list | None = None  # a mixture instead of `source`: [{path: ..., weight: ...}, ...]
     cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
     builtin_max_bytes: int = 8_000_000
@@ -276,7 +277,7 @@ def validate(cfg: Config) -> None:
     if m.num_heads % kv:
         raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
     head_dim = m.hidden_size // m.num_heads
-    lanes = 2 * m.goat.pos_rank + int(m.goat.key_bias)
+    lanes = 2 * m.goat.pos_rank + 3 * int(m.goat.key_bias)  # = attention.prior.prior_lane_count
     if m.position == "goat" and head_dim <= lanes:
         raise ConfigError(
             f"head dim {head_dim} leaves no content lanes after GOAT's {lanes} prior lanes "

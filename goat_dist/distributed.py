@@ -60,14 +60,26 @@ def check_layout(world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len
         raise LayoutError("impossible parallel layout: " + "; ".join(problems))
 
 
-def init(tp: int = 1, seed: int = 0) -> Layout:
-    """Initialise torch.distributed (gloo on CPU, nccl on CUDA) and megatron's parallel_state."""
+def backend_for(cuda: bool) -> str:
+    """The process-group backend: gloo on CPU; on CUDA, NCCL for device tensors AND gloo for CPU tensors.
+
+    Why both: the trainer's control values (loss/fingerprint/flags of the one per-step collective,
+    parameter counts, memory figures, checkpoint decisions) are host values, and NCCL reduces only CUDA
+    tensors. A dual backend keeps them on the host (no device round trip) while gradients, parameters and
+    megatron's TP traffic stay on NCCL. Every group created later without an explicit backend (megatron's
+    parallel_state, DeepSpeed's) inherits both.
+    """
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init(tp: int = 1) -> Layout:
+    """Initialise torch.distributed (see ``backend_for``) and megatron's parallel_state."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        backend = backend_for(cuda)
         if "RANK" in os.environ:  # torchrun (or Slurm via a launcher) set up the rendezvous
             dist.init_process_group(backend=backend)
         else:  # a single process: a private store, so child processes can start worlds of their own

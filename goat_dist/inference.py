@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from data_tools.shard_format import TOKENIZER_NAME
+
 from .config import GoatConfig, ModelConfig
 
 
@@ -37,10 +39,10 @@ def load_exported(path: str | Path, dtype: torch.dtype = torch.float32):
         raise KeyError(f"{path}/model.safetensors lacks parameters: {sorted(missing)[:5]}")
     model = model.to(dtype).eval()
     tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from .data import load_tokenizer
+    if (path / TOKENIZER_NAME).is_file():
+        from data_tools.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(path / "tokenizer.json")
+        tokenizer = load_tokenizer(path / TOKENIZER_NAME)
     return model, tokenizer
 
 

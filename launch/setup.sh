@@ -10,6 +10,6 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==${TORCH_VERSION}"
 fi
 python -m pip install -q numpy psutil wheel setuptools
-DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation "deepspeed>=0.19"
+DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
 python -m pip install -q --no-build-isolation -e ".[test]"
 python -c "import torch, deepspeed, megatron.core, webdataset, goat_dist; print('goat-dist ready: torch', torch.__version__)"

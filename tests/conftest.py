@@ -20,7 +20,7 @@ def world1():
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory):
     """A small builtin dataset shared by the tests (the real one is 8 MB; this is 1 MB)."""
-    from goat_dist.data import prepare_builtin_dataset
+    from data_tools.builtin import prepare_builtin_dataset
 
     cache = tmp_path_factory.mktemp("goat-cache")
     prepare_builtin_dataset(cache, vocab_size=4096, max_bytes=1_000_000, log=lambda *a: None)

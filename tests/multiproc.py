@@ -4,12 +4,10 @@ more than one process, with a clean launcher environment, and their metrics.json
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from goat_dist.distributed import free_port
+from goat_dist.launcher import child_env, launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,29 +32,15 @@ TINY = [
 
 
 def clean_env(**extra) -> dict:
-    """This environment without a parent world's launcher variables (they would hijack the child's)."""
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    return env
-
-
-def launch_command(nproc: int, args: list[str]) -> list[str]:
-    """``python <args>`` for one process, ``torchrun --nproc_per_node=N <args>`` for more."""
-    if nproc == 1:
-        return [sys.executable, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        *args,
-    ]
+    """This environment for a child world: no launcher variables, one thread per process, this checkout."""
+    return child_env(**{"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra})
 
 
 def goat_train_command(nproc: int, overrides: list[str]) -> list[str]:
     return launch_command(nproc, ["-m", "goat_dist", "train", *TINY, *overrides])
+
+
+__all__ = ["ROOT", "TINY", "clean_env", "goat_train_command", "launch_command", "per_step", "records", "run"]
 
 
 def run(cmd: list[str], expect: int | None = 0, timeout: int = 400, **env) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""Tests of the data layer: corpus, tokenizer, shard format and the built-in data set."""
+"""Tests of the data layer: corpus, tokenizer, shard format (written by data_tools, read by goat_dist.data)
+and the built-in data set."""
 
 from __future__ import annotations
 
@@ -10,25 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from goat_dist.data import (
-    EOS_TOKEN,
+from data_tools import builtin as builtin_mod
+from data_tools.builtin import prepare_builtin_dataset
+from data_tools.corpus import stdlib_documents
+from data_tools.inspection import verify_shards
+from data_tools.shard_format import (
     FORMAT,
     ShardError,
-    ShardWriter,
-    build_train_loader,
-    eos_id,
-    iter_documents,
-    load_tokenizer,
-    prepare_builtin_dataset,
+    dtype_name,
     read_manifest,
     split_shard_paths,
-    stdlib_documents,
-    train_bpe,
-    verify_shards,
     write_manifest,
 )
-from goat_dist.data import builtin as builtin_mod
-from goat_dist.data.shards import dtype_name, sha256_file
+from data_tools.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe
+from data_tools.writer import ShardWriter
+from goat_dist.atomic import sha256_file
+from goat_dist.data import build_train_loader, iter_documents
 
 SMALL_BYTES = 300_000
 

@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from goat_dist.data import iter_documents, load_tokenizer, read_manifest, split_shard_paths, stdlib_documents
-from goat_dist.data import restart as restart_mod
-from goat_dist.data.commands import register
+from data_tools import restart as restart_mod
+from data_tools.cli import register
+from data_tools.corpus import stdlib_documents
+from data_tools.shard_format import read_manifest, split_shard_paths
+from data_tools.tokenizer import load_tokenizer
+from goat_dist.data import iter_documents
 
 
 def goat(*argv) -> int:
-    parser = argparse.ArgumentParser(prog="goat")
+    parser = argparse.ArgumentParser(prog="goat-dist")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["data", *map(str, argv)])
     return args.func(args)
@@ -193,6 +196,25 @@ def test_inspect_names_corrupt_shards(docs, tokenizer, tmp_path, capsys):
     capsys.readouterr()
     assert goat("inspect", out) == 1
     text = capsys.readouterr().out
-    assert f"CORRUPT {flipped.name}: sha256" in text
+    assert f"CORRUPT {flipped.name}: {flipped.name} does not match its sha256" in text
     assert f"CORRUPT {truncated.name}:" in text and "doc-" in text
     assert "2 corrupt shard(s)" in text
+
+
+def test_goat_dist_data_is_the_data_tools_cli(docs, tokenizer, tmp_path, capsys):
+    """`goat-dist data ...` through the main entry point: the data_tools parser mounted under `data`."""
+    from goat_dist.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[:60]), encoding="utf-8")
+    out = tmp_path / "ds"
+    args = ["--input", str(src), "--tokenizer", str(tokenizer), "--out", str(out), "--workers", "0"]
+    assert main(["data", "prepare", *args, "--val-docs", "3", "--no-progress"]) == 0
+    manifest = read_manifest(out)
+    assert manifest["command"].startswith("goat-dist data prepare --input ")
+    assert sum(e["n_docs"] for e in manifest["splits"]["val"]) == 3
+    capsys.readouterr()
+    assert main(["data", "inspect", str(out)]) == 0
+    assert "0 corrupt shard(s)" in capsys.readouterr().out
+    assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
+    assert "goat-dist data inspect: error:" in capsys.readouterr().err

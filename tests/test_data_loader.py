@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from goat_dist.data import ShardError, ShardWriter, write_manifest
+from data_tools.shard_format import ShardError, write_manifest
+from data_tools.writer import ShardWriter
 from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_loader
 from goat_dist.data.sources import resolve_sources
 

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
+from multiproc import ROOT, clean_env
 
 
 def run_goat(args, cwd, timeout=600):
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="2")
-    return subprocess.run(
-        [sys.executable, "-m", "goat_dist", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "goat_dist", *args]
+    env = clean_env(OMP_NUM_THREADS="2")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_train_writes_run_dir_and_learns(tmp_path, builtin_cache):

@@ -1,5 +1,16 @@
-"""Sharded, atomically published checkpoints (DeepSpeed shards + run state + RNG + manifest)."""
+"""Sharded, atomically published checkpoints (DeepSpeed shards + run state + RNG + manifest).
 
-from .manager import CheckpointError, CheckpointManager, tag_for, verify
+Exports resolve lazily, so that the command line can register ``goat-dist ckpt`` without importing
+torch, megatron or DeepSpeed (``goat-dist data`` never needs them)."""
+
+from .errors import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointManager", "tag_for", "verify"]
+
+
+def __getattr__(name: str):
+    if name in ("CheckpointManager", "tag_for", "verify"):
+        from . import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from data_tools.shard_format import TOKENIZER_NAME
+
 from . import universal
 from .manager import MANIFEST, STATE, CheckpointError, verify
 
@@ -52,12 +54,12 @@ def inspect(path: str | Path, checksums: bool = True) -> dict:
 def _tokenizer_of(config: dict) -> Path | None:
     data = config.get("data", {})
     if data.get("source") == "builtin" and not data.get("sources"):
-        from ..data import builtin_dataset_dir
+        from data_tools.builtin import builtin_dataset_dir
 
         candidate = builtin_dataset_dir(Path(data["cache_dir"]).expanduser(), config["model"]["vocab_size"])
     else:
         candidate = Path(data.get("source", "")).expanduser()
-    path = candidate / "tokenizer.json"
+    path = candidate / TOKENIZER_NAME
     return path if path.is_file() else None
 
 
@@ -81,7 +83,7 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
         (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
         tokenizer = _tokenizer_of(config)
         if tokenizer is not None:
-            shutil.copy(tokenizer, tmp / "tokenizer.json")
+            shutil.copy(tokenizer, tmp / TOKENIZER_NAME)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..atomic import atomic_write_text, sha256_file
+from ..atomic import atomic_write_text, file_problem, sha256_file
 from . import rng, universal
+from .errors import CheckpointError
+from .safe_load import load as safe_load
+from .safe_load import safe_loading
+from .safe_load import scan as scan_pickles
 
 MANIFEST = "manifest.json"
 LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage")
 STATE = "trainer_state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the step and the file."""
 
 
 def tag_for(step: int) -> str:
@@ -55,19 +55,9 @@ def verify(step_dir: Path, checksums: bool = True) -> dict:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
     for name, meta in manifest["files"].items():
-        path = step_dir / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {step_dir} (step {manifest.get('step')}): missing file {name}")
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {step_dir} (step {manifest.get('step')}): {name} has {size} bytes, "
-                f"expected {meta['bytes']} (truncated?)"
-            )
-        if checksums and sha256_file(path) != meta["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {step_dir} (step {manifest.get('step')}): {name} checksum mismatch"
-            )
+        problem = file_problem(step_dir / name, meta["bytes"], meta["sha256"], checksums=checksums)
+        if problem:
+            raise CheckpointError(f"checkpoint {step_dir} (step {manifest.get('step')}): {problem}")
     return manifest
 
 
@@ -132,7 +122,9 @@ class CheckpointManager:
         step_dir = Path(step_dir)
         error = ""
         try:
-            verify(step_dir, checksums=self.is_main)
+            manifest = verify(step_dir, checksums=self.is_main)
+            if self.is_main:  # before any rank unpickles anything: a refused file stops every rank
+                scan_pickles(step_dir, manifest.get("step"))
         except CheckpointError as e:
             error = str(e)
         failed = torch.tensor([1 if error else 0])
@@ -142,17 +134,18 @@ class CheckpointManager:
         state = json.loads((step_dir / STATE).read_text())
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
         if saved == layout:  # the same layout: DeepSpeed's own shards, bit-exact
-            path, _ = engine.load_checkpoint(
-                str(step_dir.parent),
-                tag=step_dir.name,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=True,
-            )
+            with safe_loading(state["step"]):
+                path, _ = engine.load_checkpoint(
+                    str(step_dir.parent),
+                    tag=step_dir.name,
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=True,
+                )
             if path is None:
                 raise CheckpointError(f"DeepSpeed could not load {step_dir}")
             rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
             if rng_file.is_file():
-                rng.restore(torch.load(rng_file, weights_only=True))
+                rng.restore(safe_load(rng_file, state["step"]))
         else:  # another layout: merge and re-split the layout-independent copy
             if not (step_dir / "universal" / "meta.json").is_file():
                 raise CheckpointError(

@@ -1,45 +1,30 @@
-"""Data layer: offline corpus, BPE tokenizer, webdataset tar shards with a manifest, sequence packing.
+"""What training reads at run time: weighted shard sources -> packed, per-rank micro-batches.
 
-Module boundaries: `corpus` produces texts, `tokenizer` turns texts into ids, `shards` owns the
-on-disk format, `builtin` wires them together for the default data set.
+`sources` finds a data set's shards and token counts (local directory or URL prefix), `schedule`
+decides which window of which source feeds which sample, `reader` reads token ranges of an epoch,
+`shards` opens shards (local or URL) and `loader` turns it all into DataLoaders.
 
-The production path: `inputs` reads raw corpora, `prepare` (+ `restart`) tokenizes them into
-shards, `inspection` verifies them, `commands` exposes all three as `goat-dist data ...`; `loader`
-serves per-rank micro-batches from weighted sources (`sources`: where the shards are, `schedule`:
-which window feeds which sample, `reader`: reading token ranges).
+Everything offline (tokenizer training, corpus preparation, inspection, the builtin stdlib data
+set, the shard format and writer) lives in the torch-free `data_tools` package; the names below
+that come from there are the ones the trainer and inference call at run time.
 """
 
-from goat_dist.data.builtin import builtin_dataset_dir, prepare_builtin_dataset, split_shard_paths
-from goat_dist.data.corpus import stdlib_documents
-from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_loader
-from goat_dist.data.shards import (
-    FORMAT,
-    ShardError,
-    ShardWriter,
-    iter_documents,
-    read_manifest,
-    verify_shards,
-    write_manifest,
-)
-from goat_dist.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe
+from data_tools.builtin import builtin_dataset_dir, prepare_builtin_dataset
+from data_tools.shard_format import ShardError, read_manifest, split_shard_paths
+from data_tools.tokenizer import load_tokenizer
+from goat_dist.data.loader import IGNORE_INDEX, PackedBatches, build_train_loader, build_val_loader
+from goat_dist.data.shards import iter_documents
 
 __all__ = [
-    "EOS_TOKEN",
-    "FORMAT",
+    "IGNORE_INDEX",
     "PackedBatches",
     "ShardError",
-    "ShardWriter",
     "build_train_loader",
     "build_val_loader",
     "builtin_dataset_dir",
-    "eos_id",
     "iter_documents",
     "load_tokenizer",
     "prepare_builtin_dataset",
     "read_manifest",
     "split_shard_paths",
-    "stdlib_documents",
-    "train_bpe",
-    "verify_shards",
-    "write_manifest",
 ]

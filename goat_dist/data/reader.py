@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from goat_dist.data.shards import ShardError, iter_documents
+from data_tools.shard_format import ShardError
+from goat_dist.data.shards import iter_documents
 from goat_dist.data.sources import SourceSplit
 
 log = logging.getLogger("goat_dist.data")

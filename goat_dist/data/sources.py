@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from goat_dist.data.shards import MANIFEST_NAME, is_url, open_shard, parse_manifest, read_manifest
+from data_tools.shard_format import MANIFEST_NAME, parse_manifest, read_manifest
+from goat_dist.data.shards import is_url, open_shard
 
 
 @dataclass(frozen=True)

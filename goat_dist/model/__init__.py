@@ -1,5 +1,5 @@
 """The GPT model: megatron-core tensor-parallel layers with GOAT, RoPE, ALiBi, learned or no positions."""
 
-from .gpt import GPT, gather_logits, padded_vocab_size
+from .gpt import GPT, padded_vocab_size
 
-__all__ = ["GPT", "gather_logits", "padded_vocab_size"]
+__all__ = ["GPT", "padded_vocab_size"]

@@ -18,9 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention.kernels import document_segments
 from ..config import ModelConfig
+from ..data.loader import IGNORE_INDEX  # label of tokens that carry no loss
 from .attention import ParallelSelfAttention
-
-IGNORE_INDEX = -100  # label of tokens that carry no loss
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
@@ -194,9 +193,3 @@ class GPT(nn.Module):
         keep = labels != IGNORE_INDEX  # e.g. the unreadable part of a skipped corrupt shard
         losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.clamp(min=0))
         return (losses * keep).sum() / keep.sum().clamp(min=1)
-
-
-def gather_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Full-vocabulary logits from the vocab-parallel ones (inference, tests, export)."""
-    full = tensor_parallel.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
-    return full[..., :vocab_size]

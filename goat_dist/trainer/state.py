@@ -11,8 +11,10 @@ class RunState:
     consumed_samples: int = 0  # sequences consumed, all data-parallel ranks together
     consumed_tokens: int = 0
     data_skipped: int = 0  # samples with unreadable data (data.on_error=skip), all ranks
+    nonfinite_skipped: int = 0  # steps whose update was dropped for a NaN/Inf (train.on_nonfinite=skip)
+    stream_start: int = 0  # consumed_samples when the current data stream began (train.data_resume=restart)
     elapsed_s: float = 0.0  # training wall time so far (this and earlier attempts)
-    stop_requested: str | None = None  # set by a signal or a callback; honoured at the step boundary
+    stop_requested: str | None = None  # a stop signal or the deadline; honoured at the step boundary
     metrics: dict[str, float] = field(default_factory=dict)  # the last logged step's metrics
 
     def state_dict(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -14,15 +15,19 @@ import yaml
 from megatron.core import parallel_state
 
 from .. import distributed
-from ..checkpoint import CheckpointManager, tag_for
+from ..atomic import atomic_write_text
+from ..checkpoint import CheckpointError, CheckpointManager
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
+from . import data_contract, nonfinite
 from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
+from .control import StepControl, agree
+from .deadline import Deadline, DeadlineError
 from .memory import training_state_bytes
 from .parallelize import parallelize
-from .signals import StopSignals
+from .signals import EXIT_CHECKPOINTED, StopSignals
 from .state import RunState
 
 
@@ -40,9 +45,9 @@ def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
     """An integer digest of the set of sequences in a batch (order inside each sequence counts, the
     placement on ranks and micro-batches does not): summed over a global batch, equal digests per step
     mean the same data. metrics.jsonl ``data_fingerprint`` is how exact resume of the data is checked."""
-    t = tokens.cpu().long()
+    t = tokens.long()
     per_sample = (t * torch.arange(1, t.shape[1] + 1)).sum(dim=1)
-    return ((per_sample * 2654435761) % 2_147_483_647).sum().view(1)
+    return int(((per_sample * 2654435761) % 2_147_483_647).sum())
 
 
 def gradient_accumulation(cfg: Config, dp: int) -> int:
@@ -96,9 +101,11 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
         )
+        self.contract = data_contract.data_contract(cfg, self.sources)
         self.resumed_from = self._resume()
         self.signals = StopSignals()
-        self._skipped = 0  # samples with unreadable data in the current step (data.on_error=skip)
+        self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
+        self._nonfinite_in_row = 0
 
     def _resume(self) -> Path | None:
         """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path."""
@@ -110,8 +117,16 @@ class Trainer:
             return None
         saved = self.checkpoints.load(self.engine, path, self.layout_record())
         self.state.load_state_dict(saved["run_state"])
+        restart = data_contract.check(
+            saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
+        )
+        if restart:
+            self.state.stream_start = self.state.consumed_samples
         if self.layout.is_main:
             print(f"resumed from {path} (step {self.state.step}, {self.state.consumed_tokens:,} tokens)")
+            if restart:
+                changed = "; ".join(data_contract.differences(saved["data_contract"], self.contract))
+                print(f"data stream restarted at its sample 0 (train.data_resume=restart): {changed}")
         return path
 
     def layout_record(self) -> dict:
@@ -119,9 +134,18 @@ class Trainer:
         return {"world": lay.world, "tp": lay.tp, "dp": lay.dp, "zero_stage": self.cfg.parallel.zero_stage}
 
     def save_checkpoint(self) -> Path:
+        bad = nonfinite.first_nonfinite_weight(self.engine.module)
+        flag = torch.tensor([0 if bad is None else 1])
+        dist.all_reduce(flag)
+        if flag.item():
+            raise nonfinite.NonFiniteError(
+                f"step {self.state.step}: refusing to save a checkpoint from non-finite weights "
+                f"({bad or 'on another rank'}); the previous checkpoint stays the latest"
+            )
         trainer_state = {
             "step": self.state.step,
             "run_state": self.state.state_dict(),
+            "data_contract": self.contract,
             **self.layout_record(),
         }
         path = self.checkpoints.save(
@@ -131,19 +155,18 @@ class Trainer:
             fault_hook=_fault_hook,
         )
         self._last_save_time = time.monotonic()
+        self._last_save_s = trainer_state["last_save_s"]
+        self._saved_step = self.state.step
         self._emit("on_checkpoint", {"path": str(path), "save_s": trainer_state["last_save_s"]})
         return path
 
-    def _checkpoint_due(self) -> bool:
-        c, step = self.cfg.checkpoint, self.state.step
-        if c.interval and step % c.interval == 0:
-            return True
-        if not c.interval_minutes:
-            return False
-        # Wall clocks differ between ranks: every rank joins the broadcast, rank 0's clock decides.
-        due = torch.tensor([int((time.monotonic() - self._last_save_time) / 60 >= c.interval_minutes)])
-        dist.broadcast(due, src=0)
-        return bool(due.item())
+    def _minutes_due(self) -> bool:
+        """This rank's clock says a time-interval checkpoint is due (rank 0's answer is the one used)."""
+        minutes = self.cfg.checkpoint.interval_minutes
+        return bool(minutes) and (time.monotonic() - self._last_save_time) / 60 >= minutes
+
+    def _deadline_near(self) -> bool:
+        return self.deadline is not None and self.deadline.due(self._last_step_s, self._last_save_s)
 
     def _default_callbacks(self) -> list[Callback]:
         if not self.layout.is_main:
@@ -189,38 +212,91 @@ class Trainer:
             f"model: {cfg.model.position} attention ({record['attention_backend']}), "
             f"params per rank {record['params_per_rank']}",
         ]
+        if self.deadline is not None:
+            lines.append(f"{self.deadline.describe()}: saves and exits 75 before it")
         return {"record": record, "lines": lines}
 
-    def _batch(self, it) -> tuple[torch.Tensor, ...]:
+    def _batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         b = next(it)
-        self._skipped += int(b.get("skipped", 0))
         dev = self.layout.device
-        return b["tokens"].to(dev), b["position_ids"].to(dev), b["labels"].to(dev)
+        return b["tokens"].to(dev), b["position_ids"].to(dev), b["labels"].to(dev), b
 
-    def train_step(self, it) -> float:
-        """One optimizer step (``grad_accum`` micro-batches); returns the DP-mean loss."""
-        total = torch.zeros((), device=self.layout.device)
-        fingerprint = torch.zeros(1, dtype=torch.long)
-        self._skipped = 0
+    def train_step(self, it) -> StepControl:
+        """One optimizer step (``grad_accum`` micro-batches) and the step's one collective.
+
+        The update is applied, dropped (``train.on_nonfinite=skip``) or refused with an error (``raise``)
+        depending on what every rank saw; the returned control says which, and holds the DP-mean loss."""
+        losses, fingerprint, skipped = [], 0, 0
+        first_micro = self._micro_seen  # the loader's index of this step's first micro-batch
         for micro in range(self.grad_accum):
-            tokens, positions, labels = self._batch(it)
-            fingerprint += batch_fingerprint(tokens)
+            tokens, positions, labels, raw = self._batch(it)
+            self._micro_seen += 1
+            fingerprint += batch_fingerprint(raw["tokens"])
+            skipped += int(raw.get("skipped", 0))
             with self.autocast():
-                loss = self.engine(tokens, positions, labels)
+                loss = self._forward(tokens, positions, labels, micro)
             self.engine.backward(loss)
-            if self.state.step == self._first_step + 1 and micro == self.grad_accum - 1:
+            losses.append(loss.detach().float())
+            if micro < self.grad_accum - 1:
+                self.engine.step()  # not a boundary: DeepSpeed only counts the micro-batch
+        losses_t = torch.stack(losses)
+        bad_loss = torch.isfinite(losses_t).logical_not()
+        control = agree(
+            loss_sum=torch.nan_to_num(losses_t, nan=0.0, posinf=0.0, neginf=0.0).sum(),
+            micro_batches=self.grad_accum,
+            nonfinite_loss=bad_loss.sum(),
+            nonfinite_grad=nonfinite.local_grads_nonfinite(self.engine),
+            fingerprint=fingerprint,
+            skipped=skipped,
+            signal=self.signals.received is not None,
+            save_due=self._minutes_due(),
+            deadline=self._deadline_near(),
+            tp=self.layout.tp,
+            dp=self.layout.dp,
+        )
+        if control.nonfinite:
+            self._on_nonfinite(control, [first_micro + k for k in bad_loss.nonzero().flatten().tolist()])
+            with nonfinite.update_dropped(self.engine):
+                self.engine.step()
+        else:
+            self._nonfinite_in_row = 0
+            if self.state.step == self._first_step + 1:
                 # Gradients and optimizer state coexist here (the peak): measure once, in the second step
                 # (the first creates the optimizer state).
                 self._emit("on_memory", self.measure_memory())
             self.engine.step()
-            total += loss.detach().float()
-        total /= self.grad_accum
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        counts = torch.cat([fingerprint, torch.tensor([self._skipped])])
-        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-        self.state.metrics["data_fingerprint"] = int(counts[0])
-        self.state.data_skipped += int(counts[1])
-        return total.item() / self.layout.dp
+        if _fault_due("nonfinite_weights", self.state.step + 1):
+            with torch.no_grad():
+                next(self.engine.module.parameters()).view(-1)[0] = float("nan")
+        return control
+
+    def _forward(self, tokens, positions, labels, micro: int) -> torch.Tensor:
+        loss = self.engine(tokens, positions, labels)
+        if _fault_due("nonfinite", self.state.step + 1, micro, self.layout.dp_rank):
+            loss = loss * float("nan")  # test hook: a NaN in this micro-batch's forward
+        return loss
+
+    def _on_nonfinite(self, control: StepControl, bad_micro: list[int]) -> None:
+        """Raise (naming step, data and parameter), or count the dropped update."""
+        step = self.state.step + 1
+        self._nonfinite_in_row += 1
+        mode, limit = self.cfg.train.on_nonfinite, self.cfg.train.max_nonfinite_in_row
+        if mode == "raise" or self._nonfinite_in_row > limit:
+            dataset = self._train_loader.dataset
+            samples = dataset.global_samples(bad_micro[0]) if bad_micro else []
+            reason = (
+                ""
+                if mode == "raise"
+                else f"{self._nonfinite_in_row} non-finite steps in a row (limit {limit})"
+            )
+            nonfinite.raise_nonfinite(self.engine, step, control, samples, dataset, reason)
+        self.state.nonfinite_skipped += 1
+        if self.layout.is_main:
+            print(
+                f"step {step}: non-finite {'loss' if control.nonfinite_loss else 'gradient'}, update dropped "
+                f"(train.on_nonfinite=skip; {self._nonfinite_in_row} in a row, "
+                f"{self.state.nonfinite_skipped} in this run)"
+            )
 
     def measure_memory(self) -> dict:
         """Per-rank bytes of parameters, gradients and optimizer state, gathered on every rank."""
@@ -237,7 +313,7 @@ class Trainer:
         total = torch.zeros((), device=self.layout.device)
         n = self.cfg.train.eval_batches
         for _ in range(n):
-            tokens, positions, labels = self._batch(it)
+            tokens, positions, labels, _ = self._batch(it)
             with self.autocast():
                 total += self.engine(tokens, positions, labels).float()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
@@ -247,41 +323,53 @@ class Trainer:
     def fit(self) -> RunState:
         cfg, state = self.cfg, self.state
         self._emit("on_train_start", self.start_info())
-        it = iter(train_loader(cfg, self.layout, self.sources, start_sample=state.consumed_samples))
-        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        window_start, window_steps = time.perf_counter(), 0
-        self._last_save_time = time.monotonic()
-        self._first_step = state.step
+        it = self.start_loop()
         self.signals.install()
         try:
-            self._loop(it, tokens_per_step, window_start, window_steps)
+            self._loop(it)
         finally:
             self.signals.uninstall()
-        saved_last = self.checkpoints.latest()
-        if cfg.checkpoint.save_at_end and (saved_last is None or saved_last.name != tag_for(state.step)):
-            if state.stop_requested is None and state.step > self._first_step:
+        # the end-of-run save depends on what this run saved, not on what the disk holds
+        if cfg.checkpoint.save_at_end and state.stop_requested is None and self._saved_step != state.step:
+            if state.step > self._first_step:
                 self.save_checkpoint()
         self._emit("on_train_end")
         return state
 
-    def _loop(self, it, tokens_per_step, window_start, window_steps) -> None:
+    def start_loop(self):
+        """The iterator of this rank's training micro-batches, from where the run state says."""
+        start = self.state.consumed_samples - self.state.stream_start
+        self._train_loader = train_loader(self.cfg, self.layout, self.sources, start_sample=start)
+        self._micro_seen = 0
+        self._last_save_time = time.monotonic()
+        self._last_step_s, self._last_save_s = 0.0, None  # no save yet: the deadline estimates one
+        self._first_step = self.state.step
+        self._saved_step = None
+        return iter(self._train_loader)
+
+    def _loop(self, it) -> None:
         cfg, state = self.cfg, self.state
+        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        window_start, window_steps = time.perf_counter(), 0
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             lr = self.engine.get_lr()[0]  # the rate this step uses
-            loss = self.train_step(it)
+            control = self.train_step(it)
             state.step += 1
             state.consumed_samples += cfg.train.global_batch_size
             state.consumed_tokens += tokens_per_step
-            state.elapsed_s += time.perf_counter() - t0
+            state.data_skipped += control.skipped
+            self._last_step_s = time.perf_counter() - t0
+            state.elapsed_s += self._last_step_s
             window_steps += 1
             last = state.step == cfg.train.max_steps
-            if state.step % cfg.log.interval == 0 or last or state.step == 1:
+            if state.step % cfg.log.interval == 0 or last or state.step == 1 or control.nonfinite:
                 seconds = time.perf_counter() - window_start
                 state.metrics = {
-                    "data_fingerprint": state.metrics["data_fingerprint"],
+                    "data_fingerprint": control.fingerprint,
                     "data_skipped": state.data_skipped,
-                    "loss": loss,
+                    "nonfinite_skipped": state.nonfinite_skipped,
+                    "loss": control.loss if not control.nonfinite_loss else float("nan"),
                     "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                     "tokens_per_s": tokens_per_step * window_steps / seconds,
@@ -291,8 +379,11 @@ class Trainer:
             if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
                 self._emit("on_eval", {"val_loss": self.evaluate()})
                 window_start = time.perf_counter()
-            reason = self.signals.agreed()
-            if reason or self._checkpoint_due():
+            reason = "signal" if control.signal else "deadline" if control.deadline else None
+            if reason == "signal":
+                reason = self.signals.received or "signal on another rank"
+            interval = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0
+            if reason or interval or control.save_due:
                 self.save_checkpoint()
                 window_start = time.perf_counter()
             if reason:
@@ -300,21 +391,68 @@ class Trainer:
                 return
 
 
+def _fault_due(point: str, step: int, micro: int = 0, dp_rank: int = 0) -> bool:
+    """Test hooks, ``GOAT_FAULT=<point>:<step>[:<micro>[:<dp_rank>]]`` (micro-batch and DP rank default to
+    0; ``<step>`` may be a range ``a-b``). Points: ``nonfinite`` (a NaN in that micro-batch's loss),
+    ``nonfinite_weights`` (a NaN written into the weights after that step's update), ``before_publish``."""
+    spec = os.environ.get("GOAT_FAULT", "").split(":")
+    if spec[0] != point or len(spec) < 2:
+        return False
+    first, _, last = spec[1].partition("-")
+    where = [int(x) for x in spec[2:]] + [0, 0]
+    return int(first) <= step <= int(last or first) and (micro, dp_rank) == tuple(where[:2])
+
+
 def _fault_hook(point: str, step_dir: Path) -> None:
     """Test hook: ``GOAT_FAULT=before_publish:<step>`` kills the process after the shards of that step are
     written and before the checkpoint is published (a crash mid-save)."""
-    spec = os.environ.get("GOAT_FAULT", "")
-    if spec == f"{point}:{int(step_dir.name.split('_')[1])}":
+    if _fault_due(point, int(step_dir.name.split("_")[1])):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(cfg: Config) -> RunState:
-    """Entry point of ``goat-dist train``: train, then tear the process groups down cleanly."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    """Entry point of ``goat-dist train``: train, then tear the process groups down cleanly.
+
+    Rank 0 records how the process ended in ``<run_dir>/last_exit.json`` (``status`` finished,
+    checkpointed or failed, ``reason``, ``step``, ``exit_code``): a job script decides on requeueing from
+    it, since a launcher such as torchrun replaces the workers' exit codes with its own."""
+    trainer = None
     try:
-        state = Trainer(cfg).fit()
-    except BaseException:
+        trainer = Trainer(cfg)
+        state = trainer.fit()
+    except BaseException as e:
         distributed.teardown(barrier=False)
+        step = trainer.state.step if trainer is not None else None
+        _record_exit(cfg, "failed", f"{type(e).__name__}: {e}", step, exit_code_for(e))
         raise
     distributed.teardown()
+    if state.stop_requested:
+        _record_exit(cfg, "checkpointed", state.stop_requested, state.step, EXIT_CHECKPOINTED)
+    else:
+        _record_exit(cfg, "finished", None, state.step, 0)
     return state
+
+
+# errors that are the user's to fix (config, layout, checkpoint, data): exit 2, like a usage error
+USER_ERRORS = (
+    LayoutError,
+    CheckpointError,
+    data_contract.DataContractError,
+    nonfinite.NonFiniteError,
+    DeadlineError,
+)
+
+
+def exit_code_for(error: BaseException) -> int:
+    return 2 if isinstance(error, USER_ERRORS) else 1
+
+
+def _record_exit(cfg: Config, status: str, reason: str | None, step: int | None, exit_code: int) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    record = {"status": status, "reason": reason, "step": step, "exit_code": exit_code, "time": time.time()}
+    try:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cfg.run_dir / "last_exit.json", json.dumps(record, indent=1))
+    except OSError as e:  # never mask the run's own error
+        print(f"could not write {cfg.run_dir / 'last_exit.json'}: {e}")

@@ -9,9 +9,9 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
+from goat_dist.checkpoint.universal import merge, split_meta  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
-from goat_dist.model.tp_gather import full_tensor  # noqa: E402
 from goat_dist.trainer.parallelize import add_tp_grad_allreduce  # noqa: E402
 
 
@@ -23,10 +23,20 @@ def main(out: str, tp: int, sp: bool, position: str) -> None:
     add_tp_grad_allreduce(model)
     tokens, positions, labels = tiny_batch(cfg)
     model(tokens, positions, labels).backward()
-    grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
+    grads = {name: full_gradient(p) for name, p in model.named_parameters()}
     if layout.rank == 0:
         torch.save(grads, out)
     distributed.exit_process(0)
+
+
+def full_gradient(p: torch.nn.Parameter) -> torch.Tensor:
+    """The TP=1-shaped gradient: every TP rank's slice, merged as the universal checkpoint merges them."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(p.grad) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, p.grad.contiguous(), group=group)
+    return merge(parts, split_meta(p))
 
 
 def tiny_config(position: str) -> ModelConfig:

@@ -1,23 +1,31 @@
-"""`goat-dist data inspect`: what a data set holds, and whether every shard matches its manifest.
+"""`inspect` and `verify_shards`: what a data set holds, and whether every shard matches its manifest.
 
 Why: before a long run, check that the shards are complete and readable (a truncated copy or a
 bit flip shows up here, by shard name, not hours into training) and look at what was tokenized.
-Each shard is read once: its sha256 and size are compared with the manifest, every sample is
-decoded, and the document/token counts and id range are checked.
+`inspect_dataset` reads each shard once: every sample is decoded while the bytes are hashed, and
+size, sha256, document/token counts and id range are compared with the manifest.
+`verify_shards` only checks sizes and checksums (`goat_dist.atomic.file_problem`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from goat_dist.data.shards import ShardError, iter_tar_documents, read_manifest
-from goat_dist.data.tokenizer import load_tokenizer
+from data_tools.digest import HashingFile
+from data_tools.shard_format import (
+    MANIFEST_NAME,
+    TOKENIZER_NAME,
+    ShardError,
+    iter_tar_documents,
+    read_manifest,
+)
+from data_tools.tokenizer import load_tokenizer
+from goat_dist.atomic import file_problem
 
 HIST_BINS = 20  # powers of two: [1, 2), [2, 4), ...
 
@@ -30,30 +38,43 @@ class ShardReport:
     first_docs: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
 
+def verify_shards(dataset_dir: str | os.PathLike, manifest: dict | None = None) -> None:
+    """Raise ShardError unless every shard named in the manifest exists with its recorded size and sha256."""
+    dataset_dir = Path(dataset_dir)
+    manifest = manifest if manifest is not None else read_manifest(dataset_dir)
+    for entries in manifest["splits"].values():
+        for e in entries:
+            problem = file_problem(dataset_dir / e["name"], e["bytes"], e["sha256"])
+            if problem:
+                raise ShardError(f"{dataset_dir / MANIFEST_NAME}: shard {problem}")
+
+
 def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) -> ShardReport:
-    """Verify one shard against its manifest entry; collects document lengths."""
+    """Verify one shard against its manifest entry, reading it once; collects document lengths."""
     report = ShardReport(entry["name"])
+    problem = file_problem(path, entry.get("bytes"), None, checksums=False)  # the sha256: hashed while read
+    if problem:
+        report.problems.append(problem)
     if not path.is_file():
-        report.problems.append("missing")
         return report
-    data = path.read_bytes()
-    if len(data) != entry.get("bytes"):
-        report.problems.append(f"{len(data)} bytes, manifest says {entry.get('bytes')}")
-    if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        report.problems.append("sha256 differs from the manifest")
     tokens = 0
     key = None
-    try:
-        for key, ids in iter_tar_documents(io.BytesIO(data), str(path)):
-            report.lengths.append(ids.size)
-            tokens += ids.size
-            top = int(ids.max())
-            if top >= vocab_size:
-                report.problems.append(f"sample {key!r}: token id {top} >= vocab_size {vocab_size}")
-            if len(report.first_docs) < keep_docs:
-                report.first_docs.append((key, ids))
-    except ShardError as exn:
-        report.problems.append(str(exn))
+    with open(path, "rb") as f:
+        stream = HashingFile(f)
+        try:
+            for key, ids in iter_tar_documents(stream, str(path)):
+                report.lengths.append(ids.size)
+                tokens += ids.size
+                top = int(ids.max())
+                if top >= vocab_size:
+                    report.problems.append(f"sample {key!r}: token id {top} >= vocab_size {vocab_size}")
+                if len(report.first_docs) < keep_docs:
+                    report.first_docs.append((key, ids))
+        except ShardError as exn:
+            report.problems.append(str(exn))
+        stream.read_rest()
+    if "sha256" in entry and stream.sha256 != entry["sha256"]:
+        report.problems.append(f"{path.name} does not match its sha256")
     if len(report.lengths) != entry.get("n_docs") or tokens != entry.get("n_tokens"):
         report.problems.append(
             f"read {len(report.lengths)} documents / {tokens} tokens (last sample {key!r}), manifest says "
@@ -121,7 +142,7 @@ def inspect_dataset(
 
 
 def _show_samples(root: Path, manifest: dict, samples, tokenizer, echo, max_chars: int = 500) -> None:
-    path = Path(tokenizer) if tokenizer else root / manifest.get("tokenizer", "tokenizer.json")
+    path = Path(tokenizer) if tokenizer else root / manifest.get("tokenizer", TOKENIZER_NAME)
     tok = load_tokenizer(path) if path.is_file() else None
     if tok is None:
         echo(f"(no tokenizer at {path}: showing ids)")

@@ -1,8 +1,9 @@
-"""`goat-dist data ...` subcommands: tokenizer training, corpus preparation, data set inspection.
+"""The data command line, defined once: `python -m data_tools ...` and `goat-dist data ...`.
 
-Why: the trainer reads shard directories; these commands make and check them. Exit codes: 0 ok,
-1 bad data (input named by file and line, corrupt shards named), 2 bad arguments or output dir.
-Call `register(subparsers)` from the main parser; every command sets `func(args) -> int`.
+Subcommands: `tokenizer train`, `prepare`, `inspect`. Why here: a CPU data-preparation node runs
+them without torch (`python -m data_tools`); `goat_dist.cli` mounts the same parser under `data`
+with `register(subparsers)`. Exit codes: 0 ok, 1 bad data (input named by file and line, corrupt
+shards named), 2 bad arguments or output dir. Every command sets `func(args) -> int`.
 """
 
 from __future__ import annotations
@@ -12,32 +13,34 @@ import os
 import shlex
 import sys
 
-from goat_dist.data.inputs import InputError, expand_inputs, iter_inputs
+from data_tools.inputs import InputError, expand_inputs, iter_inputs
+
+PROG = "python -m data_tools"
 
 
-def _error(cmd: str, exn: BaseException, code: int) -> int:
-    print(f"goat-dist data {cmd}: error: {exn}", file=sys.stderr)
+def _error(args: argparse.Namespace, cmd: str, exn: BaseException, code: int) -> int:
+    print(f"{args.data_prog} {cmd}: error: {exn}", file=sys.stderr)
     return code
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from goat_dist.data.tokenizer import train_bpe
+    from data_tools.tokenizer import train_bpe
 
     try:
         files = expand_inputs(args.input)
         texts = (text for text, _ in iter_inputs(files, args.text_field))
         tok = train_bpe(texts, args.vocab_size, args.out)
     except InputError as exn:
-        return _error("tokenizer train", exn, 1)
+        return _error(args, "tokenizer train", exn, 1)
     except (ValueError, FileNotFoundError) as exn:
-        return _error("tokenizer train", exn, 2)
+        return _error(args, "tokenizer train", exn, 2)
     print(f"[data] tokenizer with {tok.get_vocab_size():,} tokens from {len(files)} file(s) -> {args.out}")
     return 0
 
 
 def _command_line(args: argparse.Namespace) -> str:
     """The prepare command as a shell line (recorded in the manifest; --workers left out: no effect)."""
-    parts = ["goat", "data", "prepare", "--input", *args.input, "--tokenizer", args.tokenizer]
+    parts = [*shlex.split(args.data_prog), "prepare", "--input", *args.input, "--tokenizer", args.tokenizer]
     parts += ["--out", args.out, "--text-field", args.text_field, "--shard-size", str(args.shard_size)]
     if args.val_docs is not None:
         parts += ["--val-docs", str(args.val_docs)]
@@ -48,7 +51,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from goat_dist.data.prepare import PrepareError, prepare
+    from data_tools.prepare import PrepareError, prepare
 
     try:
         prepare(
@@ -66,19 +69,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             show_progress=not args.no_progress,
         )
     except InputError as exn:
-        return _error("prepare", exn, 1)
+        return _error(args, "prepare", exn, 1)
     except (PrepareError, ValueError, FileNotFoundError) as exn:
-        return _error("prepare", exn, 2)
+        return _error(args, "prepare", exn, 2)
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from goat_dist.data.inspection import inspect_dataset
+    from data_tools.inspection import inspect_dataset
 
     try:
         corrupt = inspect_dataset(args.dir, decode=args.decode, tokenizer=args.tokenizer)
     except (ValueError, FileNotFoundError) as exn:
-        return _error("inspect", exn, 2)
+        return _error(args, "inspect", exn, 2)
     return 1 if corrupt else 0
 
 
@@ -118,11 +121,28 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the `data` command group to an argparse subparsers object; returns its parser."""
-    data = subparsers.add_parser("data", help="prepare and inspect tokenized data sets")
-    sub = data.add_subparsers(dest="data_command", required=True)
+def add_commands(parser: argparse.ArgumentParser, prog: str) -> None:
+    """Add the data subcommands to `parser`; `prog` is how messages and manifests name the command."""
+    parser.set_defaults(data_prog=prog)
+    sub = parser.add_subparsers(dest="data_command", required=True)
     _add_tokenizer(sub)
     _add_prepare(sub)
     _add_inspect(sub)
+
+
+def register(subparsers, prog: str = "goat-dist data") -> argparse.ArgumentParser:
+    """Add the `data` command group to an argparse subparsers object; returns its parser."""
+    data = subparsers.add_parser("data", help="prepare and inspect tokenized data sets")
+    add_commands(data, prog)
     return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Prepare and inspect tokenized data sets.")
+    add_commands(parser, PROG)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,4 +1,4 @@
-"""Raw text inputs of `goat-dist data prepare` / `goat-dist data tokenizer train`: files, dirs, globs -> documents.
+"""Raw text inputs of `prepare` and `tokenizer train`: files, directories, globs -> documents.
 
 Why: corpora arrive as plain text, JSONL or Parquet, often compressed. One reader turns them all
 into a deterministic sequence of documents and reports bad input by file and line, so a bad byte

@@ -1,4 +1,4 @@
-"""Restart bookkeeping of `goat-dist data prepare`: which shards an interrupted run already finished.
+"""Restart bookkeeping of `prepare`: which shards an interrupted run already finished.
 
 Why: tokenizing a large corpus takes hours; a crash or preemption must not cost the finished
 shards. After each shard is committed, `.prepare-progress.json` (written atomically) records
@@ -15,11 +15,10 @@ import json
 import logging
 from pathlib import Path
 
-from goat_dist.atomic import atomic_write_text
-from goat_dist.data.shards import sha256_file
+from goat_dist.atomic import atomic_write_text, file_problem
 
 PROGRESS_NAME = ".prepare-progress.json"
-log = logging.getLogger("goat_dist.data")
+log = logging.getLogger("data_tools")
 
 
 class PrepareProgress:
@@ -51,14 +50,9 @@ class PrepareProgress:
             return fresh
         for split in split_names:
             for e in record.get("splits", {}).get(split, []):
-                shard = out_dir / e["name"]
-                ok = (
-                    shard.is_file()
-                    and shard.stat().st_size == e["bytes"]
-                    and sha256_file(shard) == e["sha256"]
-                )
-                if not ok:
-                    log.warning("%s does not match the progress record; redoing it and what follows", shard)
+                problem = file_problem(out_dir / e["name"], e["bytes"], e["sha256"])
+                if problem:
+                    log.warning("%s: %s; redoing it and what follows", out_dir / PROGRESS_NAME, problem)
                     break
                 fresh.splits[split].append(e)
         return fresh

@@ -1,0 +1,103 @@
+"""The one blocking collective of a training step.
+
+Everything the ranks must agree on after the last backward of a step travels in one small float64
+vector, summed over the whole world: the loss, the data fingerprint and skip count, whether any loss or
+gradient was non-finite, whether a stop signal arrived, and rank 0's clock-based decisions (a
+time-interval checkpoint, a deadline). One host sync (the device values join the vector) and one
+all-reduce per step; values that are only logged are reduced at log intervals instead.
+
+Why a sum over the world: flags become "any rank" (sum > 0); values that every tensor-parallel peer holds
+identically (loss, fingerprint, skip count) are summed over all ranks and divided by the TP size, exactly.
+Clock decisions are contributed by rank 0 only, so every rank acts on the same clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Fingerprints are reduced modulo this prime before they travel (float64 holds the sum exactly); the
+# modulus of a sum is the sum of the moduli, so the result does not depend on the layout.
+FINGERPRINT_MOD = 2_147_483_647
+
+_FIELDS = (
+    "loss",
+    "fingerprint",
+    "skipped",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "signal",
+    "save_due",
+    "deadline",
+)
+
+
+@dataclass
+class StepControl:
+    """What one step's collective decided, identical on every rank."""
+
+    loss: float  # mean loss over the global batch (data-parallel mean of per-rank means)
+    fingerprint: int  # digest of the global batch's data (see trainer.batch_fingerprint)
+    skipped: int  # samples with unreadable data in the global batch
+    nonfinite_loss: int  # ranks x micro-batches whose loss was NaN/Inf
+    nonfinite_grad: int  # ranks whose local gradients hold a NaN/Inf
+    signal: bool  # a stop signal reached some rank
+    save_due: bool  # rank 0's clock: a time-interval checkpoint is due
+    deadline: bool  # rank 0's clock: the run's deadline is near (save and stop)
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.nonfinite_loss or self.nonfinite_grad)
+
+
+def agree(
+    loss_sum: torch.Tensor,
+    micro_batches: int,
+    nonfinite_loss: torch.Tensor,
+    nonfinite_grad: torch.Tensor,
+    fingerprint: int,
+    skipped: int,
+    signal: bool,
+    save_due: bool,
+    deadline: bool,
+    tp: int,
+    dp: int,
+) -> StepControl:
+    """Collective over the whole world; every rank calls it once per step, after the last backward.
+
+    ``loss_sum``, ``nonfinite_loss`` and ``nonfinite_grad`` may live on the device: they are moved to the
+    host together (the step's one host sync).
+    """
+    loss, bad_loss, bad_grad = (
+        torch.stack([loss_sum.detach().double(), nonfinite_loss.double(), nonfinite_grad.double()])
+        .cpu()
+        .tolist()
+    )
+    rank0 = dist.get_rank() == 0
+    local = [
+        loss if math.isfinite(loss) else 0.0,  # a NaN must not poison the sum; the flags carry it
+        float(fingerprint % FINGERPRINT_MOD),
+        float(skipped),
+        bad_loss,
+        bad_grad,
+        float(signal),
+        float(save_due and rank0),
+        float(deadline and rank0),
+    ]
+    vector = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(vector)
+    v = vector.tolist()
+    values = dict(zip(_FIELDS, v))
+    return StepControl(
+        loss=values["loss"] / (tp * dp * micro_batches),
+        fingerprint=int(round(values["fingerprint"])) // tp % FINGERPRINT_MOD,
+        skipped=int(round(values["skipped"])) // tp,
+        nonfinite_loss=int(round(values["nonfinite_loss"])),
+        nonfinite_grad=int(round(values["nonfinite_grad"])),
+        signal=values["signal"] > 0,
+        save_due=values["save_due"] > 0,
+        deadline=values["deadline"] > 0,
+    )

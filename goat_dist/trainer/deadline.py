@@ -1,0 +1,185 @@
+"""The time limit, seen coming: stop and save while there is still time for the save.
+
+A run can have up to three wall-clock limits; the earliest counts:
+
+* the Slurm job's end time when running under Slurm: ``SLURM_JOB_END_TIME`` (Slurm 23.02+ sets it;
+  ``slurm/train.sbatch`` exports it on older versions), else asked once from Slurm with
+  ``squeue -h -j $SLURM_JOB_ID -o %e`` (``SLURM_TIME_FORMAT=%s``: epoch seconds, no time-zone guessing),
+  else ``scontrol show job``. Only the first task of each node asks (``SLURM_LOCALID`` 0), so a big job
+  does not flood the controller; the trainer folds ``due()`` over all ranks with a max anyway.
+* ``train.stop_at``: an ISO 8601 time (``2026-12-01T06:00``, ``...Z`` or ``...+02:00``; no zone = local);
+* ``train.time_limit_minutes``: minutes from the start of this process (0: off).
+
+``due(step_seconds, save_seconds)`` is true once
+
+    seconds_left < SAFETY x (step_seconds + save_seconds) + MARGIN_S
+
+with ``SAFETY = 1.5`` (steps and saves vary: eval steps, a loaded file system) and ``MARGIN_S = 15`` s
+(process teardown, writing ``last_exit.json``, the job script's requeue). Checked after every step, this
+leaves room for one more step plus a save, with 50 % to spare. Before the first save of a process the save
+time is estimated from the checkpoint's size (``expect_checkpoint_bytes``; from the model config when
+``from_config`` is given the whole config) at 100 MB/s plus 5 s, and is never taken below 10 s.
+``GOAT_DEADLINE_SAFETY`` / ``GOAT_DEADLINE_MARGIN_S`` override the two constants.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import time
+from datetime import datetime, timezone
+
+SAFETY = 1.5
+MARGIN_S = 15.0
+FIRST_SAVE_MIN_S = 10.0  # the first save's estimate never goes below this
+SAVE_OVERHEAD_S = 5.0  # fixed cost of a save: directories, manifest, fsyncs, barriers
+WRITE_BYTES_PER_S = 100e6  # conservative write bandwidth of a shared file system
+QUERY_TIMEOUT_S = 10.0
+_FAR = 10 * 365 * 86400.0  # an "end time" this far away is Slurm's UNLIMITED
+
+
+class DeadlineError(ValueError):
+    """A deadline setting that cannot be parsed; the message names the key."""
+
+
+def parse_time(text: str) -> float:
+    """An ISO 8601 time or epoch seconds -> epoch seconds; naive times are local time."""
+    text = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    if text.endswith(("Z", "z")):  # datetime.fromisoformat only accepts 'Z' from Python 3.11 on
+        text = text[:-1] + "+00:00"
+    return datetime.fromisoformat(text).timestamp()
+
+
+def _slurm_end_time(environ, run=subprocess.run) -> float | None:
+    """The running Slurm job's end time (epoch), or None (not under Slurm, no limit, Slurm unreachable)."""
+    value = environ.get("SLURM_JOB_END_TIME")
+    if value:
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    job = environ.get("SLURM_JOB_ID")
+    if not job or environ.get("SLURM_LOCALID", "0") not in ("", "0"):
+        return None
+    env = {**environ, "SLURM_TIME_FORMAT": "%s"}
+    queries = (
+        (["squeue", "-h", "-j", job, "-o", "%e"], lambda out: out.strip()),
+        (["scontrol", "show", "job", "-o", job], lambda out: _field(out, "EndTime")),
+    )
+    for cmd, pick in queries:
+        try:
+            proc = run(cmd, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, env=env)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if proc.returncode != 0:
+            continue
+        value = pick(proc.stdout or "")
+        if not value or value.upper() in ("N/A", "UNKNOWN", "NONE", "INVALID"):
+            continue
+        try:
+            return parse_time(value)
+        except ValueError:
+            continue
+    return None
+
+
+def _field(record: str, key: str) -> str | None:
+    m = re.search(rf"(?:^|\s){key}=(\S+)", record)
+    return m.group(1) if m else None
+
+
+def _get(cfg, name: str, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+class Deadline:
+    def __init__(
+        self,
+        end: float,
+        source: str,
+        now=time.time,
+        safety: float = SAFETY,
+        margin_s: float = MARGIN_S,
+        checkpoint_bytes: int | None = None,
+    ):
+        self.end = float(end)
+        self.source = source
+        self.now = now
+        self.safety = safety
+        self.margin_s = margin_s
+        self.checkpoint_bytes = checkpoint_bytes
+
+    @classmethod
+    def from_config(cls, train_cfg, environ=os.environ, now=time.time, run=subprocess.run) -> Deadline | None:
+        """The earliest of the Slurm job's end, ``train.stop_at`` and ``train.time_limit_minutes``; None
+        if there is none. ``train_cfg`` is the ``train`` section, or the whole ``Config`` (then the first
+        save's time is estimated from the model's size)."""
+        whole = train_cfg if hasattr(train_cfg, "train") and hasattr(train_cfg, "model") else None
+        train = whole.train if whole is not None else train_cfg
+        candidates: list[tuple[float, str]] = []
+        slurm = _slurm_end_time(environ, run=run)
+        if slurm is not None and slurm - now() < _FAR:
+            candidates.append((slurm, f"Slurm job {environ.get('SLURM_JOB_ID')} end time"))
+        stop_at = _get(train, "stop_at")
+        if stop_at:
+            try:
+                candidates.append((parse_time(str(stop_at)), "train.stop_at"))
+            except ValueError as e:
+                raise DeadlineError(f"train.stop_at={stop_at!r} is not an ISO 8601 time: {e}") from e
+        minutes = float(_get(train, "time_limit_minutes", 0.0) or 0.0)
+        if minutes < 0:
+            raise DeadlineError(f"train.time_limit_minutes must be >= 0, got {minutes}")
+        if minutes > 0:
+            candidates.append((now() + 60.0 * minutes, f"train.time_limit_minutes={minutes:g}"))
+        if not candidates:
+            return None
+        end, source = min(candidates)
+        safety = float(environ.get("GOAT_DEADLINE_SAFETY") or SAFETY)
+        margin = float(environ.get("GOAT_DEADLINE_MARGIN_S") or MARGIN_S)
+        nbytes = None
+        if whole is not None:
+            try:
+                from ..doctor import checkpoint_bytes
+
+                nbytes = checkpoint_bytes(whole)
+            except Exception:  # an estimate only; never let it stop a run
+                nbytes = None
+        return cls(end, source, now=now, safety=safety, margin_s=margin, checkpoint_bytes=nbytes)
+
+    def expect_checkpoint_bytes(self, nbytes: int) -> None:
+        """Size of one checkpoint, for the first save's time estimate."""
+        self.checkpoint_bytes = int(nbytes)
+
+    def first_save_estimate(self, step_seconds: float = 0.0) -> float:
+        guess = FIRST_SAVE_MIN_S
+        if self.checkpoint_bytes:
+            guess = max(guess, SAVE_OVERHEAD_S + self.checkpoint_bytes / WRITE_BYTES_PER_S)
+        return max(guess, 2.0 * step_seconds)
+
+    def seconds_left(self) -> float:
+        return self.end - self.now()
+
+    def budget(self, step_seconds: float, save_seconds: float | None) -> float:
+        """Seconds that must be left to run one more step and still save in time."""
+        save = save_seconds if save_seconds and save_seconds > 0 else self.first_save_estimate(step_seconds)
+        return self.safety * (max(step_seconds, 0.0) + save) + self.margin_s
+
+    def due(self, step_seconds: float, save_seconds: float | None) -> bool:
+        """True when the run must save and stop now (``save_seconds``: the last save's duration; 0 or None
+        before the first save of this process)."""
+        return self.seconds_left() < self.budget(step_seconds, save_seconds)
+
+    def describe(self) -> str:
+        when = datetime.fromtimestamp(self.end, tz=timezone.utc).astimezone().isoformat(timespec="seconds")
+        left = self.seconds_left()
+        left_text = f"{left:.0f} s left" if math.isfinite(left) else "no limit"
+        return f"deadline {when} ({self.source}; {left_text})"
+
+    def __repr__(self) -> str:
+        return f"Deadline({self.describe()})"

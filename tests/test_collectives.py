@@ -1,0 +1,104 @@
+"""Collectives that a GPU run accepts: the process-group backend, and one control collective per step."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from goat_dist import distributed
+from goat_dist.trainer.control import FINGERPRINT_MOD, agree
+
+
+def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
+    """NCCL reduces only CUDA tensors; the trainer's control values are CPU tensors. A CUDA run must get a
+    backend serving both device types (checked here by faking CUDA; the GPU suite runs it for real)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init_process_group(backend=None, **kwargs):
+        seen["backend"] = backend
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init_process_group)
+    monkeypatch.setattr(distributed, "apply_cpu_compat", lambda: False)
+    with pytest.raises(Stop):
+        distributed.init(tp=1)
+    backends = dict(part.split(":") for part in seen["backend"].split(","))
+    assert backends == {"cpu": "gloo", "cuda": "nccl"}
+    assert distributed.backend_for(False) == "gloo"
+
+
+def test_agree_folds_the_step_into_one_vector(world1):
+    control = agree(
+        loss_sum=torch.tensor(6.0),
+        micro_batches=3,
+        nonfinite_loss=torch.tensor(0),
+        nonfinite_grad=torch.tensor(1.0),
+        fingerprint=FINGERPRINT_MOD + 5,
+        skipped=2,
+        signal=True,
+        save_due=False,
+        deadline=True,
+        tp=1,
+        dp=1,
+    )
+    assert control.loss == 2.0 and control.fingerprint == 5 and control.skipped == 2
+    assert control.nonfinite and control.nonfinite_grad == 1 and control.nonfinite_loss == 0
+    assert control.signal and control.deadline and not control.save_due
+    nan = agree(
+        torch.tensor(float("nan")), 1, torch.tensor(1), torch.tensor(0.0), 0, 0, False, False, False, 1, 1
+    )
+    assert nan.nonfinite_loss == 1 and nan.loss == 0.0  # the flag carries the NaN, the sum stays clean
+
+
+def test_one_control_collective_per_step(world1, builtin_cache, tmp_path, monkeypatch):
+    """The hot loop makes one blocking collective of its own per step (DeepSpeed's gradient traffic
+    aside): loss, fingerprint, skip count, non-finite flags and the stop/save decisions travel together."""
+    from goat_dist.config import load_config
+    from goat_dist.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.seq_len=32",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "train.precision=fp32",
+            "train.eval_interval=0",
+            "log.tensorboard=false",
+            "checkpoint.interval_minutes=60",
+            "train.time_limit_minutes=600",
+            f"data.cache_dir={builtin_cache}",
+            "data.builtin_max_bytes=1000000",
+            f"run.dir={tmp_path}",
+        ],
+    )
+    trainer = Trainer(cfg, callbacks=[])
+    it = trainer.start_loop()
+    trainer._first_step = -10  # past the one-off memory measurement of the second step
+    calls = []
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("goat_dist"):
+                calls.append((name, caller))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("all_reduce", "broadcast", "all_gather", "barrier", "all_gather_object", "reduce"):
+        monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
+    for _ in range(3):
+        trainer.train_step(it)
+    assert calls == [("all_reduce", "goat_dist.trainer.control")] * 3

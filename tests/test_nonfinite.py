@@ -1,0 +1,93 @@
+"""Non-finite losses: ``train.on_nonfinite=raise`` names step, data and parameter; ``skip`` drops exactly
+that update. Real runs (1 process, and DP=2 with ZeRO-2), slow."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from multiproc import goat_train_command, per_step, records, run
+
+from goat_dist.checkpoint.manager import write_manifest
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = [(1, []), (2, ["parallel.zero_stage=2"])]
+IDS = ["1proc", "dp2-zero2"]
+
+
+def train(nproc, layout, overrides, expect=0, **env):
+    return run(goat_train_command(nproc, [*layout, *overrides]), expect=expect, **env)
+
+
+@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=IDS)
+def test_raise_names_step_data_and_parameter(nproc, layout, tmp_path, builtin_cache):
+    run_dir = tmp_path / "run"
+    common = ["train.max_steps=6", f"data.cache_dir={builtin_cache}", f"run.dir={run_dir}"]
+    bad_rank = nproc - 1  # the last data-parallel rank's first micro-batch of step 3
+    out = train(nproc, layout, common, expect=None, GOAT_FAULT=f"nonfinite:3:0:{bad_rank}")
+    assert out.returncode != 0
+    err = out.stderr
+    assert "step 3: non-finite loss" in err, err[-3000:]
+    assert f"on rank {bad_rank} starting at global sample" in err and "shard " in err
+    assert "first parameter with a non-finite gradient: embedding" in err
+    assert max(per_step(run_dir)) == 2  # nothing after the failing step
+    assert not (run_dir / "checkpoints" / "latest").exists()  # and no checkpoint from it
+    assert json.loads((run_dir / "last_exit.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=IDS)
+def test_skip_equals_a_run_that_never_saw_the_update(nproc, layout, tmp_path, builtin_cache):
+    """A: NaN in step 3, skipped. B: trained to step 2, then told that step 3's batch was consumed (the
+    checkpoint's run state moved on by one global batch, model and optimizer untouched), resumed. From
+    step 4 on both see the same data with the same weights, optimizer and LR schedule: equal losses."""
+    a = tmp_path / "a"
+    common = ["train.max_steps=7", f"data.cache_dir={builtin_cache}", "train.on_nonfinite=skip"]
+    train(nproc, layout, [*common, f"run.dir={a}"], GOAT_FAULT=f"nonfinite:3:0:{nproc - 1}")
+    logged = [r for r in records(a) if "loss" in r]
+    assert [r["nonfinite_skipped"] for r in logged if r["step"] in (2, 3, 7)] == [0, 1, 1]
+    assert math.isnan(next(r["loss"] for r in logged if r["step"] == 3))
+
+    b = tmp_path / "b"
+    train(nproc, layout, ["train.max_steps=2", *common[1:], f"run.dir={b}"])
+    step_dir = b / "checkpoints" / "step_00000002"
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    state["step"] = state["run_state"]["step"] = 3
+    state["run_state"]["consumed_samples"] += 8
+    state["run_state"]["consumed_tokens"] += 8 * 64
+    (step_dir / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(step_dir, {"step": 3, "saved_at": 0})
+    train(nproc, layout, [*common, f"run.dir={b}"])
+
+    got, expected = per_step(b), per_step(a)
+    for step in range(4, 8):
+        assert got[step] == expected[step], f"step {step}: {got[step]} vs skipped run {expected[step]}"
+
+
+def test_skip_raises_after_too_many_in_a_row(tmp_path, builtin_cache):
+    run_dir = tmp_path / "run"
+    overrides = [
+        "train.max_steps=8",
+        "train.on_nonfinite=skip",
+        "train.max_nonfinite_in_row=2",
+        f"data.cache_dir={builtin_cache}",
+        f"run.dir={run_dir}",
+    ]
+    out = train(1, [], overrides, expect=None, GOAT_FAULT="nonfinite:3-8")
+    assert out.returncode != 0
+    assert "step 5: non-finite loss (3 non-finite steps in a row (limit 2))" in out.stderr, out.stderr[-3000:]
+
+
+def test_no_checkpoint_from_nonfinite_weights(tmp_path, builtin_cache):
+    run_dir = tmp_path / "run"
+    overrides = [
+        "train.max_steps=8",
+        "checkpoint.interval=2",
+        f"data.cache_dir={builtin_cache}",
+        f"run.dir={run_dir}",
+    ]
+    out = train(1, [], overrides, expect=None, GOAT_FAULT="nonfinite_weights:4")
+    assert out.returncode != 0
+    assert "refusing to save a checkpoint from non-finite weights" in out.stderr, out.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
