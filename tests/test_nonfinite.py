@@ -91,3 +91,62 @@ def test_no_checkpoint_from_nonfinite_weights(tmp_path, builtin_cache):
     assert out.returncode != 0
     assert "refusing to save a checkpoint from non-finite weights" in out.stderr, out.stderr[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
+
+
+@pytest.mark.parametrize(
+    "stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (2, "bf16")]
+)
+def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
+    stage, precision, world1, builtin_cache, tmp_path, monkeypatch
+):
+    """Finite loss, NaN gradient: the step's update is dropped (weights, Adam state and LR unchanged), the
+    gradients are cleared, and the next step trains normally."""
+    import torch
+
+    from goat_dist.config import load_config
+    from goat_dist.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.seq_len=32",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            f"train.precision={precision}",
+            f"parallel.zero_stage={stage}",
+            "train.on_nonfinite=skip",
+            "train.eval_interval=0",
+            "log.tensorboard=false",
+            f"data.cache_dir={builtin_cache}",
+            "data.builtin_max_bytes=1000000",
+            f"run.dir={tmp_path}",
+        ],
+    )
+    trainer = Trainer(cfg, callbacks=[])
+    it = trainer.start_loop()
+
+    def snapshot():
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = []
+        for p in trainer.engine.module.parameters():
+            full = safe_get_full_fp32_param(p)
+            out.append((full if full is not None else p).detach().float().clone())
+        return out
+
+    assert not trainer.train_step(it).nonfinite
+    trainer.state.step = 1
+    before, lr = snapshot(), trainer.engine.get_lr()[0]
+    monkeypatch.setenv("GOAT_FAULT", "nonfinite_grad:2")
+    control = trainer.train_step(it)
+    assert control.nonfinite_grad and not control.nonfinite_loss
+    after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "the update was applied"
+    assert trainer.engine.get_lr()[0] == lr and trainer.state.nonfinite_skipped == 1
+    monkeypatch.delenv("GOAT_FAULT")
+    trainer.state.step = 2
+    assert not trainer.train_step(it).nonfinite  # gradients were cleared: nothing stale carries over
+    assert any(not torch.equal(a, b) for a, b in zip(after, snapshot()))

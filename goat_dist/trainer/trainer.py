@@ -272,8 +272,12 @@ class Trainer:
 
     def _forward(self, tokens, positions, labels, micro: int) -> torch.Tensor:
         loss = self.engine(tokens, positions, labels)
-        if _fault_due("nonfinite", self.state.step + 1, micro, self.layout.dp_rank):
+        step, rank = self.state.step + 1, self.layout.dp_rank
+        if _fault_due("nonfinite", step, micro, rank):
             loss = loss * float("nan")  # test hook: a NaN in this micro-batch's forward
+        if _fault_due("nonfinite_grad", step, micro, rank):  # test hook: finite loss, NaN gradient
+            weight = next(self.engine.module.parameters())
+            loss = loss + (weight.sum() * 0).sqrt()  # value 0, gradient 0 * inf
         return loss
 
     def _on_nonfinite(self, control: StepControl, bad_micro: list[int]) -> None:
@@ -394,6 +398,7 @@ class Trainer:
 def _fault_due(point: str, step: int, micro: int = 0, dp_rank: int = 0) -> bool:
     """Test hooks, ``GOAT_FAULT=<point>:<step>[:<micro>[:<dp_rank>]]`` (micro-batch and DP rank default to
     0; ``<step>`` may be a range ``a-b``). Points: ``nonfinite`` (a NaN in that micro-batch's loss),
+    ``nonfinite_grad`` (a finite loss whose gradient is NaN),
     ``nonfinite_weights`` (a NaN written into the weights after that step's update), ``before_publish``."""
     spec = os.environ.get("GOAT_FAULT", "").split(":")
     if spec[0] != point or len(spec) < 2:
