@@ -127,7 +127,9 @@ class Deadline:
         if slurm is not None and slurm - now() < _FAR:
             candidates.append((slurm, f"Slurm job {environ.get('SLURM_JOB_ID')} end time"))
         stop_at = _get(train, "stop_at")
-        if stop_at:
+        if isinstance(stop_at, datetime):  # YAML reads an unquoted timestamp as a datetime
+            candidates.append((stop_at.timestamp(), "train.stop_at"))
+        elif stop_at:
             try:
                 candidates.append((parse_time(str(stop_at)), "train.stop_at"))
             except ValueError as e:

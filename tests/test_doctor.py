@@ -1,0 +1,203 @@
+"""goat-dist doctor: the checkpoint size estimate, each check's failure message, and whole runs with one
+process, two ranks, and two "nodes" that do not share the run dir."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from multiproc import ROOT, clean_env, launch_command
+
+from goat_dist import doctor
+from goat_dist.config import load_config
+from goat_dist.distributed import free_port
+
+
+def doctor_command(nproc: int, args: list[str]) -> list[str]:
+    return launch_command(
+        nproc, ["-m", "goat_dist.doctor", "--config", str(ROOT / "configs" / "tiny.yaml"), *args]
+    )
+
+
+def run_doctor(nproc: int, args: list[str], cwd=ROOT, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        doctor_command(nproc, args),
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+# ---- the model-size estimate ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.position=rope"],
+        ["model.position=alibi", "model.num_kv_heads=2"],
+        ["model.position=learned", "model.tie_embeddings=false"],
+        ["model.activation=gelu", "model.norm=layernorm", "model.bias=true"],
+        ["model.goat.key_bias=false", "model.goat.pos_rank=2", "model.vocab_size=1000"],
+        ["model.ffn_hidden_size=200", "model.num_kv_heads=4"],
+    ],
+)
+def test_parameter_count_matches_the_model(world1, overrides):
+    from goat_dist.model import GPT
+
+    cfg = load_config(None, ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=8", *overrides])
+    real = sum(p.numel() for p in GPT(cfg.model).parameters())
+    assert doctor.parameter_count(cfg.model) == real
+
+
+def test_checkpoint_bytes_per_parameter():
+    cfg = load_config(None, [])
+    n = doctor.parameter_count(cfg.model)
+    assert doctor.checkpoint_bytes(cfg) == n * 28  # 16 B DeepSpeed states + 12 B universal copy
+    cfg.checkpoint.universal = False
+    assert doctor.checkpoint_bytes(cfg) == n * 16
+
+
+# ---- single checks ----------------------------------------------------------------------------------------
+def report():
+    return doctor.Report(rank=0, host="h")
+
+
+def test_gpus_allocated_but_invisible_fails(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible here")
+    r = report()
+    assert doctor.check_devices(r, {"SLURM_GPUS_ON_NODE": "4"}, 0, 4) is None
+    assert r.failed == {"devices"}
+    err = capsys.readouterr().err
+    assert "GPUs were allocated (SLURM_GPUS_ON_NODE=4) but torch" in err and "sees none" in err
+    r = report()
+    assert doctor.check_devices(r, {}, 0, 1).type == "cpu" and not r.failed
+
+
+def test_disk_too_small_fails(tmp_path, monkeypatch, capsys):
+    cfg = load_config(None, [])
+    need = doctor.checkpoint_bytes(cfg)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 2))
+    r = report()
+    doctor.check_disk(r, cfg, tmp_path / "not" / "yet")
+    assert r.failed == {"disk"}
+    err = capsys.readouterr().err
+    assert "FAIL disk: not enough space" in err and str(tmp_path) in err
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10 * need, 0, 2 * need))
+    r = report()
+    doctor.check_disk(r, cfg, tmp_path)
+    assert not r.failed and "next checkpoint" in r.lines[-1]
+
+
+def test_data_checks(tmp_path, builtin_cache, capsys):
+    from goat_dist.data import builtin_dataset_dir
+
+    shards = builtin_dataset_dir(builtin_cache, 4096)
+    r = report()
+    doctor.check_data(r, load_config(None, [f"data.source={shards}"]))
+    assert not r.failed and "1 source(s) reachable" in r.lines[-1]
+
+    r = report()
+    doctor.check_data(r, load_config(None, [f"data.source={tmp_path / 'missing'}"]))
+    assert r.failed == {"data"} and "manifest not found" in capsys.readouterr().err
+
+    r = report()  # builtin, already built
+    doctor.check_data(r, load_config(None, [f"data.cache_dir={builtin_cache}"]))
+    assert not r.failed and "ready" in r.lines[-1]
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = report()  # builtin, not built, and its cache dir cannot be made
+    doctor.check_data(r, load_config(None, [f"data.cache_dir={blocker}/cache"]))
+    assert r.failed == {"data"} and "not writable" in capsys.readouterr().err
+
+    r = report()  # a shard missing from a copied data set
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "manifest.json").write_text((shards / "manifest.json").read_text())
+    doctor.check_data(r, load_config(None, [f"data.source={copy}"]))
+    assert r.failed == {"data"} and "train shards unreadable" in capsys.readouterr().err
+
+
+def test_cli_registers_doctor():
+    from goat_dist.cli import build_parser
+
+    args = build_parser().parse_args(["doctor", "--config", "c.yaml", "train.max_steps=3", "--iters", "2"])
+    assert args.func is doctor.cmd_doctor
+    assert (args.config, args.overrides, args.iters) == ("c.yaml", ["train.max_steps=3"], 2)
+
+
+# ---- whole runs -------------------------------------------------------------------------------------------
+def test_doctor_alone_passes(tmp_path, builtin_cache):
+    out = run_doctor(1, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={builtin_cache}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    for check in ("devices", "data", "disk", "all-reduce"):
+        assert re.search(rf"^\s+ok\s+{check}:", out.stdout, re.M), out.stdout
+    assert "all checks passed" in out.stdout
+    assert not any(p.name.startswith(".doctor") for p in (tmp_path / "run").iterdir())  # cleaned up
+
+
+def test_doctor_names_what_is_wrong(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = run_doctor(1, [f"run.dir={blocker}/run", f"data.source={tmp_path / 'nodata'}"])
+    assert out.returncode == 1
+    assert f"FAIL run dir: {blocker}/run is not writable" in out.stderr
+    assert f"FAIL data: {tmp_path / 'nodata'}" in out.stderr
+    assert "FAILED (run dir, data)" in out.stderr
+    bad = run_doctor(1, ["train.nope=1"])
+    assert bad.returncode == 2 and "train.nope" in bad.stderr
+
+
+@pytest.mark.slow
+def test_doctor_two_ranks_measures_bandwidth(tmp_path, builtin_cache):
+    out = run_doctor(
+        2, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={builtin_cache}", "--allreduce-mb=8"]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = re.search(r"all-reduce: 2 ranks, gloo, .* algbw ([\d.]+) GB/s, busbw ([\d.]+) GB/s", out.stdout)
+    assert m, out.stdout
+    assert float(m.group(1)) > 0 and float(m.group(2)) == pytest.approx(float(m.group(1)), rel=0.01)
+    print(out.stdout)
+
+
+@pytest.mark.slow
+def test_doctor_finds_a_run_dir_not_shared_between_nodes(tmp_path, builtin_cache):
+    """Two ranks that each believe they are the first on their node, with run.dir resolving to different
+    directories (different working dirs): what two nodes without a shared file system look like."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        cwd = tmp_path / f"node{rank}"
+        cwd.mkdir()
+        env = clean_env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+        )
+        env["MASTER_PORT"] = str(port)
+        cmd = [sys.executable, "-m", "goat_dist.doctor", "run.dir=runs/x", f"data.cache_dir={builtin_cache}"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [1, 1], outs
+    err1 = outs[1][1].decode()
+    assert "FAIL run dir" in err1 and "not on a file system shared by all nodes" in err1
+    assert "FAILED (run dir)" in outs[0][1].decode()  # rank 0 reports what failed elsewhere
+    assert os.listdir(tmp_path / "node0" / "runs" / "x") == []
+
+
+def test_doctor_help_runs_without_the_cli():
+    out = subprocess.run(
+        [sys.executable, "-m", "goat_dist.doctor", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "--allreduce-mb" in out.stdout
+    assert Path(doctor.__file__).name == "doctor.py"

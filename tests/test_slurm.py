@@ -1,0 +1,307 @@
+"""slurm/train.sbatch, sweep.sbatch and chain.sh on a real Slurm (Debian's 22.05 on localhost, started by
+tests/slurm_harness.py): a 2-rank job to completion, preemption and requeue with exact resume, the time
+limit seen coming, a crash with bounded restarts, a cancel, an array sweep and a dependency chain.
+
+Skipped, with the reason, where Slurm is not installed or we are not root; .ci/run installs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from multiproc import ROOT, TINY, clean_env, per_step, records
+from slurm_harness import SlurmCluster, unavailable
+
+pytestmark = pytest.mark.slow
+REASON = unavailable()
+CONFIG = "configs/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if REASON:
+        pytest.skip(REASON)
+    c = SlurmCluster()
+    c.start()  # installed but not startable is an error, with the log directory in the message
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def jobdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm-jobs")
+
+
+def job_env(cluster, **extra) -> dict:
+    """The job inherits this environment (sbatch --export=ALL): the venv's python, CPU settings; a stop
+    request is repeated every 2 s (not 10) while a step runs, so short test runs cannot outrun it."""
+    return cluster.env(**clean_env(GOAT_PYTHON=sys.executable, GOAT_RESEND_S="2", **extra))
+
+
+def tiny(cache: Path, *overrides: str) -> list[str]:
+    return [*TINY, f"data.cache_dir={cache}", *overrides]
+
+
+def submit(cluster, jobdir: Path, args: list[str], env: dict | None = None) -> tuple[int, Path]:
+    job = cluster.sbatch([f"--output={jobdir}/job-%j.out", *args], env=env or job_env(cluster), cwd=ROOT)
+    return job, jobdir / f"job-{job}.out"
+
+
+def log_text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    path = run_dir / "slurm" / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"waited {timeout:.0f}s for {what}")
+
+
+def logged_steps(run_dir: Path) -> int:
+    try:
+        return sum(1 for r in records(run_dir) if "loss" in r)
+    except (OSError, ValueError):
+        return 0
+
+
+def epoch(slurm_time: str) -> float:
+    return datetime.fromisoformat(slurm_time).timestamp()
+
+
+def done(cluster, job: int, log: Path, timeout: float = 300, state: str = "COMPLETED") -> dict:
+    record = cluster.wait(job, timeout=timeout)
+    assert record["JobState"] == state, f"job {job}: {record.get('JobState')}\n{log_text(log)[-6000:]}"
+    return record
+
+
+# ---- 2 ranks to completion, and the same run preempted -------------------------------------------------
+@pytest.fixture(scope="module")
+def plain(cluster, jobdir, builtin_cache):
+    """The uninterrupted 2-rank reference run, submitted once, shared; it runs next to the preempted one."""
+    run_dir = jobdir / "plain"
+    args = ["--nodes=1", "--ntasks-per-node=2", "slurm/train.sbatch", CONFIG]
+    job, log = submit(
+        cluster, jobdir, [*args, *tiny(builtin_cache, "train.max_steps=40", f"run.dir={run_dir}")]
+    )
+    return job, log, run_dir
+
+
+def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, jobdir, builtin_cache, plain):
+    run_dir = jobdir / "preempted"
+    args = ["--nodes=1", "--ntasks-per-node=2", "slurm/train.sbatch", CONFIG]
+    job, log = submit(
+        cluster, jobdir, [*args, *tiny(builtin_cache, "train.max_steps=40", f"run.dir={run_dir}")]
+    )
+    wait_for(lambda: logged_steps(run_dir) >= 8, 240, f"job {job} to reach step 8:\n{log_text(log)[-3000:]}")
+    cluster.signal_batch(job, "USR1")  # what --signal=B:USR1@N does before a time limit
+    signalled = time.time()
+    wait_for(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1, 120, f"job {job} to be requeued")
+    requeued = time.time()
+    wait_for(lambda: "(restart 1)" in log_text(log), 120, f"job {job} to start again")
+    restarted = epoch(cluster.job(job)["StartTime"])
+    record = done(cluster, job, log)
+
+    assert int(record["Restarts"]) >= 1
+    first, *rest = attempts(run_dir)
+    assert first["status"] == "checkpointed" and first["reason"] == "SIGUSR1" and first["action"] == "requeue"
+    assert 8 <= first["step"] < 40
+    assert rest[-1]["status"] == "finished" and rest[-1]["step"] == 40
+    text = log_text(log)
+    assert "got SIGUSR1" in text and f"resumed from {run_dir / 'checkpoints'}" in text
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+
+    plain_job, plain_log, plain_dir = plain
+    done(cluster, plain_job, plain_log)
+    expected, got = per_step(plain_dir), per_step(run_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, 41))
+    for step in range(first["step"] + 1, 41):  # after the checkpoint: the uninterrupted run's losses, exactly
+        assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
+    print(
+        f"\nrequeue latency: signal -> requeued {requeued - signalled:.1f}s, "
+        f"signal -> running again {restarted - signalled:.1f}s (checkpoint at step {first['step']})"
+    )
+
+
+def test_two_rank_job_runs_to_completion(cluster, plain):
+    job, log, run_dir = plain
+    record = done(cluster, job, log)
+    assert record["Restarts"] == "0" and record["Requeue"] == "1"
+    assert max(per_step(run_dir)) == 40
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    assert json.loads((run_dir / "last_exit.json").read_text())["status"] == "finished"
+    text = log_text(log)
+    assert "goat-dist doctor: all checks passed" in text
+    assert "layout: world 2" in text  # the two srun tasks formed one world
+    m = re.search(r"all-reduce: 2 ranks, gloo, .*?algbw ([\d.]+) GB/s", text)
+    assert m, text[-4000:]
+    print(f"\ndoctor all-reduce bandwidth (2 ranks, gloo, 16 MiB): {m.group(1)} GB/s")
+
+
+def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache, plain):
+    """--time=1 on a run longer than that: the trainer saves before the limit by itself (Slurm's own USR1
+    moved to 1 s before the end, which it checks only every ~30 s: in effect never), the job requeues,
+    resumes and finishes. Never TIMEOUT."""
+    plain_job, plain_log, plain_dir = plain
+    done(cluster, plain_job, plain_log)
+    rates = [r["tokens_per_s"] for r in records(plain_dir) if "tokens_per_s" in r][5:]
+    steps_per_s = sorted(rates)[len(rates) // 2] / (8 * 64)
+    # ~20 s of steps: more than the first attempt can hold (a minute, less ~20 s of start-up and the
+    # deadline's ~30 s budget), little for the second
+    max_steps = int(min(2000, max(150, 20 * steps_per_s)))
+    run_dir = jobdir / "timelimit"
+    args = ["--ntasks=1", "--time=1", "--signal=B:USR1@1", "slurm/train.sbatch", CONFIG]
+    job, log = submit(
+        cluster, jobdir, [*args, *tiny(builtin_cache, f"train.max_steps={max_steps}", f"run.dir={run_dir}")]
+    )
+    first_end = wait_for(
+        lambda: cluster.job(job).get("EndTime") if "(restart 0)" in log_text(log) else None, 120, "start"
+    )
+    wait_for(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1, 150, f"job {job} to requeue itself")
+    # the second attempt gets room to finish, however fast this machine is
+    cluster.scontrol("update", f"jobid={job}", "TimeLimit=15")
+    record = done(cluster, job, log, timeout=400)
+
+    first, *rest = attempts(run_dir)
+    assert first["status"] == "checkpointed" and first["reason"] == "deadline", first
+    assert first["ended"] < epoch(first_end), "the first attempt ended after the time limit"
+    assert rest[-1]["status"] == "finished" and rest[-1]["step"] == max_steps
+    assert int(record["Restarts"]) >= 1
+    text = log_text(log)
+    assert "DUE TO TIME LIMIT" not in text and "got SIGUSR1" not in text
+    assert max(per_step(run_dir)) == max_steps
+    print(
+        f"\ntime limit: first attempt saved at step {first['step']} "
+        f"{epoch(first_end) - first['ended']:.0f}s before the limit; {max_steps} steps in all"
+    )
+
+
+def test_crash_is_restarted_a_bounded_number_of_times(cluster, jobdir, builtin_cache):
+    """A run killed at step 3 every time (the trainer's GOAT_FAULT hook: SIGKILL while saving step 3):
+    retried once (--max-restarts 1), then the job fails, with the error in its log."""
+    run_dir = jobdir / "crash"
+    overrides = tiny(builtin_cache, "train.max_steps=10", "checkpoint.interval=3", f"run.dir={run_dir}")
+    env = job_env(cluster, GOAT_FAULT="before_publish:3")
+    args = ["--ntasks=1", "slurm/train.sbatch", "--max-restarts", "1", CONFIG, *overrides]
+    job, log = submit(cluster, jobdir, args, env=env)
+    record = done(cluster, job, log, state="FAILED")
+    assert record["Restarts"] == "1" and record["ExitCode"] == "1:0"
+    tries = attempts(run_dir)
+    assert [a["status"] for a in tries] == ["failed", "failed"]
+    assert [a["action"] for a in tries] == ["requeue", "give-up"]
+    text = log_text(log)
+    assert "training failed" in text and "restart 1 of at most 1" in text
+    assert "giving up" in text and re.search(r"srun: error: .*task 0: Killed", text)
+    assert not (run_dir / "checkpoints" / "latest").exists()
+
+
+def test_cancel_is_not_undone_by_requeue(cluster, jobdir, builtin_cache):
+    run_dir = jobdir / "cancelled"
+    args = [
+        "--ntasks=1",
+        "slurm/train.sbatch",
+        CONFIG,
+        *tiny(builtin_cache, "train.max_steps=5000", f"run.dir={run_dir}"),
+    ]
+    job, log = submit(cluster, jobdir, args)
+    wait_for(lambda: logged_steps(run_dir) >= 3, 240, f"job {job} to train")
+    cluster.cancel(job)
+    record = cluster.wait(job, timeout=120)
+    time.sleep(3)  # a requeue would show up as a pending job again
+    record = cluster.job(job)
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", record
+    assert "was cancelled" in log_text(log)
+
+
+def test_sweep_array_and_dependency_chain(cluster, jobdir, builtin_cache):
+    """A 3-element job array (GOAT vs RoPE vs ALiBi) and, at the same time, a 2-link chain whose first job is
+    stopped by a signal (GOAT_REQUEUE=0: it ends) and whose second job continues the run."""
+    sweep_dir = jobdir / "sweep"
+    sweep = [
+        "--array=0-2",
+        "--ntasks=1",
+        f"--output={jobdir}/sweep-%A_%a.out",
+        "slurm/sweep.sbatch",
+        "slurm/sweeps/positions.txt",
+        CONFIG,
+        *tiny(builtin_cache, "train.max_steps=6", f"run.dir={sweep_dir}"),
+    ]
+    array_job = cluster.sbatch(sweep, env=job_env(cluster), cwd=ROOT)
+
+    chain_dir = jobdir / "chain"
+    chain = subprocess.run(
+        [
+            "slurm/chain.sh",
+            "2",
+            "--ntasks=1",
+            f"--output={jobdir}/chain-%j.out",
+            "slurm/train.sbatch",
+            CONFIG,
+            *tiny(builtin_cache, "train.max_steps=80", f"run.dir={chain_dir}"),
+        ],
+        env=job_env(cluster),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chain.returncode == 0, chain.stderr
+    first, second = (int(x) for x in chain.stdout.split())
+    assert cluster.job(second)["Dependency"].startswith(f"afterany:{first}")
+    wait_for(lambda: logged_steps(chain_dir) >= 3, 240, "the chain's first job to train")
+    cluster.signal_batch(first, "USR1")
+
+    elements = cluster.wait_array(array_job, timeout=300)
+    assert [e["JobState"] for e in elements] == ["COMPLETED"] * 3, elements
+    for index, position in enumerate(("goat", "rope", "alibi")):
+        run_dir = sweep_dir / str(index)
+        assert max(per_step(run_dir)) == 6
+        assert f"position: {position}" in (run_dir / "config.yaml").read_text()
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+    first_log, second_log = (jobdir / f"chain-{j}.out" for j in (first, second))
+    r1 = done(cluster, first, first_log)
+    r2 = done(cluster, second, second_log)
+    assert r1["Restarts"] == r2["Restarts"] == "0"  # chain links never requeue themselves
+    assert epoch(r2["StartTime"]) >= epoch(r1["EndTime"])
+    a1, a2 = attempts(chain_dir)
+    assert (a1["job_id"], a1["status"], a1["action"]) == (str(first), "checkpointed", "stop")
+    assert (a2["job_id"], a2["status"], a2["step"]) == (str(second), "finished", 80)
+    assert "resumed from" in log_text(second_log)
+
+
+def test_deadline_reads_the_job_end_time_from_slurm(cluster, jobdir):
+    """Deadline.from_config in a real job, SLURM_JOB_END_TIME unset: it asks squeue; matches scontrol."""
+    probe = (
+        "import os, types; os.environ.pop('SLURM_JOB_END_TIME', None); "
+        "import importlib.util as u; s = u.spec_from_file_location('dl', 'goat_dist/trainer/deadline.py'); "
+        "m = u.module_from_spec(s); s.loader.exec_module(m); Deadline = m.Deadline; "
+        "d = Deadline.from_config(types.SimpleNamespace(stop_at=None, time_limit_minutes=0)); "
+        "print('END', int(d.end), d.source)"
+    )
+    job = cluster.sbatch(
+        ["--time=7", f"--output={jobdir}/probe-%j.out", f'--wrap={sys.executable} -c "{probe}"'],
+        env=job_env(cluster),
+        cwd=ROOT,
+    )
+    log = jobdir / f"probe-{job}.out"
+    record = done(cluster, job, log, timeout=120)
+    m = re.search(r"END (\d+) (.*)", log_text(log))
+    assert m, log_text(log)
+    start = epoch(record["StartTime"])
+    assert int(m.group(1)) == int(start) + 7 * 60
+    assert m.group(2) == f"Slurm job {job} end time"
