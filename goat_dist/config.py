@@ -7,6 +7,7 @@ validated ``Config``; unknown keys and wrong types raise ``ConfigError`` naming 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ ON_NONFINITE = ("raise", "skip")
 DATA_RESUME = ("check", "restart")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 EXPORT_DTYPES = ("fp32", "bf16")
+SYNTHETIC_TASKS = ("passkey",)
 
 
 class ConfigError(ValueError):
@@ -111,6 +113,7 @@ class DataConfig:
     shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
     document_masking: bool = False  # positions restart per document and attention stays inside it
     on_error: str = "raise"  # raise | skip (a corrupt shard's rest is masked, counted, logged)
+    synthetic: str | None = None  # None | passkey: a generated task instead of `source` (data/synthetic.py)
 
 
 @dataclass
@@ -126,6 +129,11 @@ class CheckpointConfig:
 class LogConfig:
     interval: int = 10  # steps between progress lines / metrics.jsonl records
     tensorboard: bool = True
+    prior_interval: int = 500  # steps between GOAT prior pictures in TensorBoard; 0 disables
+    prior_layers: list | None = None  # layer indices to picture; None: first, middle and last
+    prior_heads: list | None = None  # KV-head indices to picture; None: every head
+    attention_stats: bool = True  # sink / entropy / locality of attention per layer, at each eval
+    peak_tflops: float = 0.0  # peak FLOP/s per device for MFU, in TFLOP/s; 0: known GPU table or CPU probe
 
 
 @dataclass
@@ -186,6 +194,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads bare timestamps as these
+            return value.isoformat()
     else:
         return value
     raise ConfigError(f"config key '{key}' expects {getattr(hint, '__name__', hint)}, got {value!r}")
@@ -271,6 +281,19 @@ def validate(cfg: Config) -> None:
                 f"data.sources[{i}].weight must be a positive number, got {src.get('weight')!r}"
             )
     _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    if cfg.data.synthetic is not None:
+        _choice("data.synthetic", cfg.data.synthetic, SYNTHETIC_TASKS)
+    for key in ("prior_layers", "prior_heads"):
+        chosen = getattr(cfg.log, key)
+        ints = isinstance(chosen, list) and all(type(i) is int for i in chosen)  # bool is not an int here
+        if chosen is not None and not ints:
+            raise ConfigError(f"config key 'log.{key}' must be a list of integers or null, got {chosen!r}")
+        limit = m.num_layers if key == "prior_layers" else m.num_kv_heads or m.num_heads
+        if chosen and not all(-limit <= i < limit for i in chosen):
+            what = "layers" if key == "prior_layers" else "KV heads"
+            raise ConfigError(f"config key 'log.{key}'={chosen}: the model has {limit} {what}")
+    if cfg.log.prior_interval < 0 or cfg.log.peak_tflops < 0:
+        raise ConfigError("log.prior_interval and log.peak_tflops must be >= 0")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
     kv = m.num_kv_heads or m.num_heads
@@ -285,6 +308,14 @@ def validate(cfg: Config) -> None:
         )
     if m.position == "rope" and head_dim % 2:
         raise ConfigError(f"rope needs an even head dim, got {head_dim}")
+    if m.position == "learned" and cfg.data.document_masking:
+        # document positions continue across windows, so a long document's positions pass seq_len
+        raise ConfigError(
+            "model.position=learned cannot be combined with data.document_masking=true: with document "
+            "masking a token's position is its offset in its document, which continues across windows and "
+            f"exceeds the learned table's model.seq_len={m.seq_len} entries for any document longer than a "
+            "window. Use model.position=goat, rope, alibi or none with document masking"
+        )
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0-3, got {cfg.parallel.zero_stage}")
     if cfg.parallel.sp and cfg.parallel.tp == 1:

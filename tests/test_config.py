@@ -62,3 +62,12 @@ def test_impossible_model_shapes_rejected():
 
 def test_parse_override_nesting():
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
+
+
+def test_a_bare_yaml_timestamp_is_a_string_key():
+    """YAML turns `train.stop_at=2027-01-15T08:00:00Z` into a datetime; the str key takes it as ISO text."""
+    from goat_dist.trainer.deadline import parse_time
+
+    cfg = load_config(None, ["train.stop_at=2027-01-15T08:00:00Z"])
+    assert isinstance(cfg.train.stop_at, str)
+    assert parse_time(cfg.train.stop_at) == parse_time("2027-01-15T08:00:00+00:00")
