@@ -2,10 +2,11 @@
 
 Each stage runs under torchrun (2 processes, gloo): build the model (12 layers, hidden 768, 12 heads,
 vocab 50304), take one training step so that Adam state exists, then time ``CheckpointManager.save``
-(DeepSpeed shards + the layout-independent universal copy + manifest with sha256 + atomic publish) and
-``load`` into the same engine. Prints bytes written and MB/s per phase.
+(DeepSpeed shards + the layout-independent universal copy + manifest with sha256 + atomic publish),
+``load`` into the same engine (DeepSpeed's shards: the same-layout path) and ``universal.load`` (the
+layout-change path: every rank reads only the slices it holds). Prints bytes written and MB/s per phase.
 
-    python bench/checkpoint_io.py [--layers 12] [--hidden 768]
+    python bench/checkpoint_io.py [--layers 12] [--hidden 768] [--precision fp32|bf16]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from goat_dist import distributed
-    from goat_dist.checkpoint import CheckpointManager
+    from goat_dist.checkpoint import CheckpointManager, universal
     from goat_dist.config import load_config
     from goat_dist.model import GPT
     from goat_dist.trainer.parallelize import parallelize
@@ -46,6 +47,7 @@ def worker(args) -> None:
             f"parallel.zero_stage={args.stage}",
             "train.micro_batch_size=1",
             "train.global_batch_size=2",
+            f"train.precision={args.precision}",
         ],
     )
     layout = distributed.init(tp=1)
@@ -53,7 +55,9 @@ def worker(args) -> None:
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
     tokens = torch.randint(0, 50304, (1, 129))
-    engine.backward(engine(tokens[:, :-1], torch.arange(128)[None], tokens[:, 1:]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        loss = engine(tokens[:, :-1], torch.arange(128)[None], tokens[:, 1:])
+    engine.backward(loss)
     engine.step()
     manager = CheckpointManager(Path(args.out).parent / "run", keep_last=1, is_main=layout.is_main)
     state = {
@@ -68,6 +72,11 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     manager.load(engine, step_dir, {k: state[k] for k in ("world", "tp", "dp", "zero_stage")})
     load_s = time.perf_counter() - t0
+    dist.barrier()
+    t0 = time.perf_counter()
+    universal.load(engine, model, step_dir, step=1)
+    dist.barrier()
+    universal_load_s = time.perf_counter() - t0
     if layout.is_main:
         files = [p for p in step_dir.rglob("*") if p.is_file()]
         ds = sum(p.stat().st_size for p in files if "universal" not in p.parts)
@@ -79,7 +88,14 @@ def worker(args) -> None:
         )
         Path(args.out).write_text(
             json.dumps(
-                {"save_s": save_s, "load_s": load_s, "ds_bytes": ds, "universal_bytes": uni, "params": params}
+                {
+                    "save_s": save_s,
+                    "load_s": load_s,
+                    "universal_load_s": universal_load_s,
+                    "ds_bytes": ds,
+                    "universal_bytes": uni,
+                    "params": params,
+                }
             )
         )
     distributed.exit_process(0)
@@ -89,13 +105,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    print(f"GOAT GPT {args.layers} layers, hidden {args.hidden}, vocab 50304, fp32, DP=2 on CPU (gloo)")
+    model = f"GOAT GPT {args.layers} layers, hidden {args.hidden}, vocab 50304, {args.precision}"
+    print(f"{model}, DP=2 on CPU (gloo)")
     with tempfile.TemporaryDirectory() as tmp:
         for stage in (0, 3):
             out = Path(tmp) / f"zero{stage}" / "result.json"
@@ -110,6 +128,7 @@ def main() -> None:
                     f"--out={out}",
                     f"--layers={args.layers}",
                     f"--hidden={args.hidden}",
+                    f"--precision={args.precision}",
                 ],
             )
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -122,7 +141,8 @@ def main() -> None:
                 f"  ZeRO-{stage}: {r['params'] / 1e6:.0f}M params | written {total / 1e6:8.1f} MB "
                 f"(DeepSpeed shards {ds_mb:.1f} + universal {uni_mb:.1f}) | "
                 f"save {r['save_s']:6.1f} s = {total / 1e6 / r['save_s']:6.1f} MB/s | "
-                f"load {r['load_s']:6.1f} s = {r['ds_bytes'] / 1e6 / r['load_s']:6.1f} MB/s",
+                f"load {r['load_s']:6.1f} s = {r['ds_bytes'] / 1e6 / r['load_s']:6.1f} MB/s | "
+                f"universal load {r['universal_load_s']:6.1f} s = {uni_mb / r['universal_load_s']:6.1f} MB/s",
                 flush=True,
             )
 

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .doctor import register as register_doctor
 
     register_doctor(sub)
+    from .evaluation.commands import register as register_eval
+
+    register_eval(sub)  # eval ppl | eval passkey | study
     return parser
 
 

@@ -36,17 +36,37 @@ def clean_env(**extra) -> dict:
     return child_env(**{"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra})
 
 
-def goat_train_command(nproc: int, overrides: list[str]) -> list[str]:
-    return launch_command(nproc, ["-m", "goat_dist", "train", *TINY, *overrides])
+PRECISIONS = ("fp32", "bf16")
 
 
-__all__ = ["ROOT", "TINY", "clean_env", "goat_train_command", "launch_command", "per_step", "records", "run"]
+def tiny(precision: str = "fp32") -> list[str]:
+    """TINY in ``precision`` (``train.precision``: fp32, or DeepSpeed's bf16 mode with autocast)."""
+    assert precision in PRECISIONS, precision
+    return [f"train.precision={precision}" if o.startswith("train.precision=") else o for o in TINY]
 
 
-def run(cmd: list[str], expect: int | None = 0, timeout: int = 400, **env) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        cmd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+def goat_train_command(nproc: int, overrides: list[str], precision: str = "fp32") -> list[str]:
+    return launch_command(nproc, ["-m", "goat_dist", "train", *tiny(precision), *overrides])
+
+
+__all__ = [
+    "PRECISIONS",
+    "ROOT",
+    "TINY",
+    "clean_env",
+    "tiny",
+    "goat_train_command",
+    "launch_command",
+    "per_step",
+    "records",
+    "run",
+]
+
+
+def run(
+    cmd: list[str], expect: int | None = 0, timeout: int = 400, cwd: Path = ROOT, **env
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if expect is not None:
         assert proc.returncode == expect, (
             f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

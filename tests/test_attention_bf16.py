@@ -1,15 +1,21 @@
-"""bf16 at long positions: the output error must not grow with the absolute position.
+"""bf16 at long positions and long sequences: the output error must grow neither with the absolute
+position nor with the sequence length, and must stay that of plain bf16 attention.
 
 The reference stores ``slope * t_j`` as one bf16 lane, so its error grows from ~1e-2 at position 0 to
-~0.5 at 131072; ours measures the recency and the relative phases from the sequence's first position.
+~0.5 at 131072; a single lane holding ``slope * (t_j - origin)`` still grows with the length (0.5 at
+L=4096 from position 0). Ours measures the recency from the middle of the sequence's positions and
+carries the per-key value in three lanes bf16 holds exactly (``goat_dist/attention/exact.py``); the
+lane-level check is ``test_attention_lanes.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
+from flash_standin import FlashStandin, installed
 
 from goat_dist.attention import GoatSelfAttention, flash_available, from_reference
 
@@ -68,6 +74,44 @@ def test_reference_bf16_error_grows_with_position():
     assert ref_err(131072) > 5 * ref_err(0)
     ours = from_reference(ref, backend="sdpa")
     assert bf16_error(ours, x, 131072) <= 2 * bf16_error(ours, x, 0)
+
+
+def test_bf16_error_at_length_8192_within_2x_plain_attention():
+    """At L=8192 from position 0, GOAT's bf16 output error through its lanes, as flash-attn computes
+    them (the CPU stand-in: bf16 inputs, fp32 logits and softmax, bf16 probabilities), is at most twice
+    that of plain bf16 attention with the same projections, both measured against float64."""
+    goat = pytest.importorskip("goat.attention")
+    torch.manual_seed(0)
+    ref = goat.GoatAttention.for_gpt(64, 1, pos_rank=4, abs_rank=4)  # head dim 64, one head: seconds
+    with torch.no_grad():  # the steepest seeded slope of for_gpt(256, 4, ...) (1/4), not one head's 1/256
+        ref.recency_slope_raw.fill_(math.log(math.expm1(0.25)))
+    mod = from_reference(ref, backend="sdpa")
+    L = 8192
+    x = torch.randn(1, L, 64)
+    pos = torch.arange(L)
+    standin = FlashStandin()
+
+    def plain(m, xx):  # the reference's full q/k/v projections, causal softmax attention
+        q, k, v = m.in_proj(xx).view(1, L, 3, 1, 64).unbind(2)
+        if xx.dtype == torch.float64:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            ).transpose(1, 2)
+        else:
+            out = standin.flash_attn_func(q, k, v, causal=True)
+        return m.out_proj(out.reshape(1, L, 64))
+
+    with torch.no_grad(), installed(standin):
+        goat_exact = copy.deepcopy(mod).double()(x.double(), pos)
+        low = copy.deepcopy(mod).bfloat16()
+        low.backend = "flash"
+        goat_err = (low(x.bfloat16(), pos).double() - goat_exact).abs().max().item()
+        plain_exact = plain(copy.deepcopy(ref).double(), x.double())
+        plain_err = (
+            (plain(copy.deepcopy(ref).bfloat16(), x.bfloat16()).double() - plain_exact).abs().max().item()
+        )
+    assert standin.calls.count("flash_attn_func") == 2
+    assert goat_err <= 2 * plain_err, f"GOAT bf16 error {goat_err:.3e} vs plain attention {plain_err:.3e}"
 
 
 @pytest.mark.gpu

@@ -111,7 +111,8 @@ SHIFT_ONLY = {"prior.sink_mlp.fc2.bias"}
 # Gradients of the key-only sink lane are sums over keys that nearly cancel (shift invariance again):
 # eager and the folded kernel round them differently, so they agree to 1e-3 relative (the first layer's
 # bias, nearly a pure shift itself, to 1e-2), not 1e-5. A folding error would show as O(1). Everything
-# else is compared at 1e-5.
+# else is compared at 1e-5. Against the oracle the same names get these bounds instead of 1e-4: torch's
+# fused CPU kernel (which ours reaches) sums its backward in blocks, the oracle's math kernel does not.
 CANCELLING = {
     "prior.sink_mlp.fc1.bias": 1e-2,
     "prior.sink_mlp.fc1.weight": 1e-3,
@@ -142,7 +143,7 @@ def assert_close_rel(ours, exact, ref_fp32, name, rel=1e-4):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference_fp32(case):
-    """Outputs to 1e-5 abs; gradients to 1e-4 relative.
+    """Outputs to 1e-5 abs; gradients to 1e-4 relative (sums over keys that cancel: see CANCELLING).
 
     Some prior gradients are (nearly) zero by softmax's shift invariance (the sink MLP's output bias
     moves every key's logit equally), so their fp32 value is rounding noise in any implementation; for
@@ -172,7 +173,8 @@ def test_matches_reference_fp32(case):
         if name in SHIFT_ONLY:
             assert_shift_only_gradient(ours, name)
             continue
-        assert_close_rel(ours_grad, exact[name].detach(), ref_fp32[name].detach(), name)
+        rel = CANCELLING.get(name, 1e-4)
+        assert_close_rel(ours_grad, exact[name].detach(), ref_fp32[name].detach(), name, rel=rel)
 
 
 @pytest.mark.parametrize("L,offset,kv", [(1024, 0, 2), (1024, 100000, 4), (512, 99000, 1)])

@@ -76,3 +76,53 @@ def test_generate_smoke(world1, builtin_cache, tmp_path):
     assert text.startswith("def read(path):") and len(tokenizer.encode(text).ids) > len(
         tokenizer.encode("def read(path):").ids
     )
+
+
+def test_bf16_export_is_the_fp32_masters_with_the_prior_kept_fp32(world1, tmp_path):
+    """Under bf16 the checkpoint's universal state, hence the export, holds DeepSpeed's fp32 master weights
+    (not the bf16 forward copy); a bf16 export rounds every tensor but GOAT's prior, which stays fp32."""
+    from safetensors.torch import load_file
+
+    from goat_dist.checkpoint.masters import layout_of
+
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.seq_len=32",
+            "model.vocab_size=300",
+            "model.attention_backend=sdpa",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "train.precision=bf16",
+        ],
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = parallelize(model, cfg, grad_accum=1)
+    tokens = torch.randint(0, 300, (2, 33))
+    positions = torch.arange(32).expand(2, -1)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = engine(tokens[:, :-1], positions, tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    state = {"step": 3, "run_state": {}, "world": 1, "tp": 1, "dp": 1, "zero_stage": 0}
+    CheckpointManager(tmp_path / "run").save(engine, state, yaml.safe_dump(cfg.to_dict()))
+    masters = {name: layout_of(engine).full(p)[""] for name, p in model.named_parameters()}
+
+    fp32 = load_file(export(tmp_path / "run", tmp_path / "fp32") / "model.safetensors")
+    bf16 = load_file(export(tmp_path / "run", tmp_path / "bf16", dtype="bf16") / "model.safetensors")
+    priors = [name for name in masters if ".prior." in name]
+    assert priors
+    not_bf16_representable = 0
+    for name, master in masters.items():
+        assert torch.equal(fp32[name], master), name
+        if name in priors:
+            assert bf16[name].dtype == torch.float32 and torch.equal(bf16[name], master), name
+        else:
+            assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], master.bfloat16()), name
+        not_bf16_representable += int(not torch.equal(master, master.bfloat16().float()))
+    assert not_bf16_representable >= len(masters) // 2  # fp32 masters, not the bf16 forward weights

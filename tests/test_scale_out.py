@@ -3,6 +3,12 @@
 Every layout trains the same tiny model on the same global batches for 10 steps; per-step losses must
 match the single-process run to 1e-4 relative (fp32). Gradients under TP=2 + SP are compared tensor by
 tensor with the single-process gradients. Marked slow: `pytest -m "not slow"` skips them.
+
+bf16 (DeepSpeed's bf16 mode + autocast): a subset of the layouts against the single-process bf16 run, loss
+AND the logged gradient norm. Measured on the 2-core CPU machine (10 steps): loss within 5e-5 relative
+(DP2 ZeRO-0/1/2, TP2, TP2 x DP2 ZeRO-2), gradient norm within 0.5 %; the tolerances below leave 4x
+headroom. Before the fixes in trainer/parallelize.py, bf16 ZeRO-1/2 differed from bf16 ZeRO-0 by 6e-3
+(DeepSpeed's extra Adam step at ZeRO-0) and the TP2 gradient norm was 0.90 of the TP1 norm.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import ROOT, goat_train_command, launch_command, per_step
+from multiproc import ROOT, goat_train_command, launch_command, per_step, records
 from multiproc import run as run_cmd
 
 pytestmark = pytest.mark.slow
@@ -67,6 +73,54 @@ def test_layout_matches_single_process(name, nproc, overrides, reference_losses,
     for step, (a, b) in enumerate(zip(got, expected), start=1):
         assert abs(a - b) <= 1e-4 * abs(b), f"{name} step {step}: {a} vs single-process {b}"
     assert expected[-1] < expected[0]  # it is training, not comparing constants
+
+
+BF16_LOSS_RTOL = 2e-4
+BF16_GRAD_NORM_RTOL = 2e-2
+ZERO3_BF16_PRIOR = pytest.mark.xfail(
+    reason="ZeRO-3 keeps GOAT's prior bf16 in the forward pass (trainer/parallelize.py ZERO3_PRIOR_NOTE); "
+    "the prior's sink MLP runs with autocast off on fp32 features and fails on bf16 weights",
+    strict=False,
+)
+BF16_LAYOUTS = [
+    pytest.param("dp2-zero0", 2, ["parallel.zero_stage=0"], id="dp2-zero0"),
+    pytest.param("dp2-zero2", 2, ["parallel.zero_stage=2"], id="dp2-zero2"),
+    pytest.param("dp2-zero3", 2, ["parallel.zero_stage=3"], marks=ZERO3_BF16_PRIOR, id="dp2-zero3"),
+    # bf16 + ZeRO-0 + TP: DeepSpeed's unfused optimizer computes the gradient norm (parallelize.py)
+    pytest.param("tp2", 2, ["parallel.tp=2"], id="tp2"),
+    pytest.param("tp2xdp2-zero2", 4, ["parallel.tp=2", "parallel.zero_stage=2"], id="tp2xdp2-zero2"),
+]
+
+
+def train_bf16(nproc: int, overrides: list[str], run_dir: Path, cache: Path) -> list[tuple[float, float]]:
+    """(loss, grad_norm) per step of a 10-step bf16 run."""
+    run_cmd(
+        goat_train_command(
+            nproc,
+            ["train.max_steps=10", *overrides, f"data.cache_dir={cache}", f"run.dir={run_dir}"],
+            precision="bf16",
+        )
+    )
+    return [(r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tmp_path_factory, builtin_cache):
+    return train_bf16(1, [], tmp_path_factory.mktemp("ref-bf16"), builtin_cache)
+
+
+@pytest.mark.parametrize("name,nproc,overrides", BF16_LAYOUTS)
+def test_bf16_layout_matches_single_process(name, nproc, overrides, reference_bf16, tmp_path, builtin_cache):
+    got = train_bf16(nproc, overrides, tmp_path / name, builtin_cache)
+    assert len(got) == len(reference_bf16) == 10
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, reference_bf16), start=1):
+        assert abs(loss - ref_loss) <= BF16_LOSS_RTOL * ref_loss, (
+            f"{name} step {step}: loss {loss} vs {ref_loss}"
+        )
+        assert abs(norm - ref_norm) <= BF16_GRAD_NORM_RTOL * ref_norm, (
+            f"{name} step {step}: grad norm {norm} vs single-process {ref_norm}"
+        )
+    assert reference_bf16[-1][0] < reference_bf16[0][0]
 
 
 @pytest.mark.parametrize("position", ["goat", "rope"])

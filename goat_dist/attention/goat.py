@@ -20,36 +20,36 @@ def goat_attention(
     causal: bool,
     backend: str,
     segments: torch.Tensor | None = None,
+    origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax_j(q_c,i . k_c,j / sqrt(d_c) + K_ij) v_j`` for every head.
 
-    q_content (B, L, H, d_c), k_content (B, L, H_kv, d_c), v (B, L, H_kv, D) with ``D = d_c + 2R + 1``;
-    ``position_ids`` (B, L) are absolute positions (packed documents, offsets, context-parallel chunks);
-    ``segments`` (B, L), from ``document_segments``, keep attention inside packed documents.
-    ``eager`` adds the explicit log-prior matrix; the other backends fold the prior into ``2R+1`` extra
-    q/k lanes, so the kernel sees equal head dims for q, k and v and needs no bias tensor. The prior is
-    not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and the query lanes carry
-    ``sqrt(d_c)``.
+    q_content (B, L, H, d_c), k_content (B, L, H_kv, d_c), v (B, L, H_kv, D_v); ``position_ids`` (B, L)
+    are absolute positions (packed documents, offsets, context-parallel chunks); ``segments`` (B, L),
+    from ``document_segments``, keep attention inside packed documents; ``origin`` (B, 1) is the
+    per-sequence constant the recency is measured from (default: from ``position_ids``; a
+    context-parallel rank passes the whole row's, see ``sequence_origin``).
+
+    ``eager`` adds the explicit log-prior matrix; the other backends append ``prior.num_lanes`` lanes to
+    q and k, so one unmodified kernel call computes content + prior with no bias tensor. The lanes are
+    built for the kernel's input dtype (q's), exact in bf16/fp16 up to one rounding of per-head spectral
+    coefficients. The prior is not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and
+    the lanes carry ``sqrt(d_c)``. Usually ``d_c + num_lanes == D_v`` (flash-attn 2 wants equal head
+    dims); a module converted from the reference keeps the reference's ``d_c`` and has wider q/k.
     """
     d_c = q_content.shape[-1]
-    if d_c + prior.num_lanes != v.shape[-1]:
-        raise ValueError(
-            f"content dim {d_c} + prior lanes {prior.num_lanes} must equal the value head dim {v.shape[-1]}"
-        )
     scale = 1.0 / math.sqrt(d_c)
     if backend == "eager":
-        bias = prior.log_prior(position_ids, causal)
+        bias = prior.log_prior(position_ids, causal, origin)
         return eager_attention(
             q_content, k_content, v, causal=causal, scale=scale, bias=bias, segments=segments
         )
-    q_lanes, k_lanes = prior.lanes(position_ids, causal)
+    q_lanes, k_lanes = prior.lanes(position_ids, causal, scale=scale, dtype=q_content.dtype, origin=origin)
     group = q_content.shape[2] // k_content.shape[2]
     if group > 1:
         q_lanes = q_lanes.repeat_interleave(group, dim=2)
-    # The kernel applies 1/sqrt(d_c) to every lane, so the query lanes carry sqrt(d_c) to cancel it:
-    # cheaper than rescaling all content lanes, and exact in bf16 up to one rounding of the lanes.
-    q = torch.cat([q_content, (q_lanes * math.sqrt(d_c)).to(q_content.dtype)], dim=-1)
-    k = torch.cat([k_content, k_lanes.to(k_content.dtype)], dim=-1)
+    q = torch.cat([q_content, q_lanes], dim=-1)
+    k = torch.cat([k_content, k_lanes], dim=-1)
     return attend(q, k, v, causal=causal, scale=scale, backend=backend, segments=segments)
 
 

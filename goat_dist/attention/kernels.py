@@ -1,8 +1,9 @@
 """Attention kernels behind one call: ``eager`` (explicit logits), ``sdpa`` (torch) and ``flash``
 (flash-attn 2, imported lazily so CPU machines never need it).
 
-Tensors are batch-first and head-split: q (B, L, H, D), k and v (B, S, H_kv, D), H a multiple of H_kv
-(GQA). Every kernel takes the softmax scale explicitly: GOAT folds its own scales into q.
+Tensors are batch-first and head-split: q and k (B, L, H, D) and (B, S, H_kv, D), v (B, S, H_kv, D_v)
+with D_v <= D (equal unless a GOAT module keeps the reference's content dims), H a multiple of H_kv
+(GQA). Every kernel takes the softmax scale explicitly: GOAT folds its own scales into its lanes.
 """
 
 from __future__ import annotations
@@ -35,26 +36,22 @@ def segment_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 @functools.cache
-def _flash_attn_varlen_func():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception:  # noqa: BLE001
-        return None
-    return flash_attn_varlen_func
+def _flash_attn():
+    """The ``flash_attn`` module, or None. Decided by importing: a kernel-less install can have a spec.
 
-
-@functools.cache
-def _flash_attn_func():
-    """The flash-attn function, or None. Decided by importing: a kernel-less install can have a spec."""
+    Cached; tests put a CPU stand-in in ``sys.modules["flash_attn"]`` and clear this cache
+    (``tests/flash_standin.py``), so the flash paths below run without CUDA.
+    """
     try:
-        from flash_attn import flash_attn_func
+        import flash_attn
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
-    return flash_attn_func
+    needed = ("flash_attn_func", "flash_attn_varlen_func")
+    return flash_attn if all(hasattr(flash_attn, name) for name in needed) else None
 
 
 def flash_available() -> bool:
-    return torch.cuda.is_available() and _flash_attn_func() is not None
+    return torch.cuda.is_available() and _flash_attn() is not None
 
 
 def resolve_backend(name: str) -> str:
@@ -108,7 +105,14 @@ def eager_attention(
 
 
 def sdpa_attention(q, k, v, *, causal: bool, scale: float, segments=None, bias=None) -> torch.Tensor:
-    """torch SDPA; packed documents (``segments``) or an additive ``bias`` go in as an explicit mask."""
+    """torch SDPA; packed documents (``segments``) or an additive ``bias`` go in as an explicit mask.
+
+    A v narrower than q/k is zero-padded: with unequal head dims SDPA falls back to its math kernel,
+    which materialises the L x L probabilities (gigabytes at L = 32k).
+    """
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
     mask = None
     if segments is not None or bias is not None:
         keep = segment_mask(segments, causal) if segments is not None else None
@@ -125,21 +129,32 @@ def sdpa_attention(q, k, v, *, causal: bool, scale: float, segments=None, bias=N
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :dv]
 
 
 def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **extra) -> torch.Tensor:
-    """flash-attn 2; packed documents run through its varlen kernel (no mask, no padding)."""
-    if _flash_attn_func() is None:
-        resolve_backend("flash")  # raises the explanatory error
+    """flash-attn 2; packed documents run through its varlen kernel (no mask, no padding).
+
+    flash-attn 2 needs one head dim for q, k and v: a narrower v (a GOAT module whose prior lanes come on
+    top of the reference's content dims, see ``GoatSelfAttention``) is zero-padded and the output cut
+    back. ``extra`` goes to the kernel as is (``alibi_slopes``).
+    """
+    flash = _flash_attn()
+    if flash is None:
+        resolve_backend("flash")  # raises the explanatory error when CUDA or the import is missing
+        raise RuntimeError("flash-attn does not import")
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
     if segments is None:
-        return _flash_attn_func()(q, k, v, softmax_scale=scale, causal=causal, **extra)
+        out = flash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
+        return out[..., :dv]
     B, L = segments.shape
     flat = (segments + torch.arange(B, device=segments.device)[:, None] * (L + 1)).flatten()
     starts = torch.nonzero(torch.diff(flat, prepend=flat[:1] - 1)).flatten()
     cu = torch.cat([starts, starts.new_tensor([B * L])]).to(torch.int32)
     max_len = int(torch.diff(cu).max())
-    out = _flash_attn_varlen_func()(
+    out = flash.flash_attn_varlen_func(
         q.flatten(0, 1),
         k.flatten(0, 1),
         v.flatten(0, 1),
@@ -151,7 +166,7 @@ def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **ext
         causal=causal,
         **extra,
     )
-    return out.view(B, L, *out.shape[1:])
+    return out.view(B, L, *out.shape[1:])[..., :dv]
 
 
 def attend(q, k, v, *, causal: bool, scale: float, backend: str, segments=None) -> torch.Tensor:

@@ -17,8 +17,11 @@ from .prior import GoatPrior
 class GoatSelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention with a learned GOAT prior.
 
-    ``embed_dim / num_heads`` is the head dim D; ``2*pos_rank + 1`` of its lanes carry the prior, the
-    rest (``content_dim``) carry q/k content. Values keep all D lanes.
+    ``embed_dim / num_heads`` is the head dim D. By default the prior's lanes (``2*pos_rank + 3`` with
+    the key bias, see ``GoatPrior``) are taken out of D and the rest (``content_dim``) carry q/k content,
+    so q, k and v share one head dim (what flash-attn 2 needs). ``content_dim`` can be set instead, q/k
+    then being ``content_dim + lanes`` wide: ``from_reference`` keeps the reference's ``D - 2R - 1``
+    content dims, which its single sink lane left room for. Values keep all D lanes.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class GoatSelfAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         backend: str = "auto",
+        content_dim: int | None = None,
     ):
         super().__init__()
         kv_heads = kv_heads or num_heads
@@ -60,7 +64,7 @@ class GoatSelfAttention(nn.Module):
             training_seq_len=training_seq_len,
             prior_init=prior_init,
         )
-        self.content_dim = self.head_dim - self.prior.num_lanes
+        self.content_dim = self.head_dim - self.prior.num_lanes if content_dim is None else content_dim
         if self.content_dim < 1:
             raise ValueError(
                 f"head_dim {self.head_dim} leaves no content lanes after {self.prior.num_lanes} prior "
@@ -72,13 +76,20 @@ class GoatSelfAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, causal: bool = True
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        causal: bool = True,
+        origin: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, L, E) -> (B, L, E). ``position_ids`` (B, L) or (L,), default ``0..L-1``."""
+        """x (B, L, E) -> (B, L, E). ``position_ids`` (B, L) or (L,), default ``0..L-1``; ``origin``
+        (B, 1), see ``goat_attention``."""
         B, L, _ = x.shape
         if position_ids is None:
             position_ids = torch.arange(L, device=x.device)
         position_ids = position_ids.expand(B, L)
         q, k, v = split_grouped_qkv(self.qkv(x), self.kv_heads, self.group, self.content_dim, self.head_dim)
-        out = goat_attention(q, k, v, self.prior, position_ids, causal=causal, backend=self.backend)
+        out = goat_attention(
+            q, k, v, self.prior, position_ids, causal=causal, backend=self.backend, origin=origin
+        )
         return self.out_proj(out.reshape(B, L, self.embed_dim))

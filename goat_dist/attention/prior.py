@@ -3,14 +3,28 @@
 Parameters live per KV head (GQA groups share their KV head's prior). The module produces the prior in
 two equivalent forms:
 
-* ``lanes``: ``2R+1`` query and key lanes whose dot product equals ``K_ij`` (up to a per-row constant),
-  so one unmodified attention kernel computes content + prior with no L x L bias tensor;
+* ``lanes``: query and key lanes whose dot product, times the kernel's softmax scale, equals ``K_ij``
+  up to a per-row constant, so one unmodified attention kernel computes content + prior with no L x L
+  bias tensor. ``2R`` spectral lanes carry K_rel; ``SPLIT_PARTS`` (3) lanes carry the per-key value u(j)
+  split into parts the kernel's dtype holds exactly (see ``exact.py``): ``2R + 3`` lanes with the sink,
+  ``2R`` without;
 * ``log_prior``: the explicit ``(B, H_kv, L, L)`` matrix, for the eager reference kernel and for plots.
 
-Numerics follow the reference (``goat-attention`` 0.1.1) feature by feature, with one deliberate change:
-the causal recency term ``slope * t_j`` is stored as ``slope * (t_j - t0)`` where ``t0`` is the smallest
-position of the sequence. Softmax is invariant to that per-row constant, and the lane's magnitude no
-longer grows with the absolute position, which is what makes bf16 (and fp32) exact at position 131072.
+Numerics follow the reference (``goat-attention`` 0.1.1) feature by feature, with deliberate changes
+for low precision and long sequences:
+
+* the causal recency term ``slope * t_j`` is stored as ``slope * (t_j - origin)``, ``origin`` the
+  middle of the sequence's positions (``sequence_origin``; softmax ignores the per-row constant), so it
+  is bounded by ``slope * L / 2`` at any absolute offset instead of growing with the position;
+* u(j), recency included, reaches the kernel as 3 exactly-representable parts with an exact query side,
+  so bf16 and fp16 kernels see it to 2^-27 of its size instead of a staircase of bf16 steps (one bf16
+  lane is off by several logits inside one 16k sequence);
+* Fourier phases are formed in fp64 from the global positions, so the spectral lanes are bounded values
+  (cos/sin) that are exact at any offset; their only low-precision error is one rounding of
+  ``lambda * cos`` on the query side and of ``cos`` on the key side, independent of position and length.
+
+Every lane is a function of the global position and of one per-sequence constant (the origin), so a
+context-parallel rank can build the lanes of its own chunk (given the row's origin).
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .exact import LANE_QUERY, SPLIT_PARTS, sequence_origin, split_exact
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -37,6 +53,11 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def prior_lane_count(pos_rank: int, key_bias: bool) -> int:
+    """Lanes the prior takes from each q/k head: 2R spectral, plus the split per-key value u(j)."""
+    return 2 * pos_rank + (SPLIT_PARTS if key_bias else 0)
+
+
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.expm1(y.clamp(min=1e-6)))
 
@@ -47,14 +68,16 @@ def geometric_frequencies(rank: int, base: float) -> torch.Tensor:
     return base ** (-idx / max(rank - 1, 1))
 
 
-def fourier_features(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``[cos(w t), sin(w t)]`` (fp32) along a new last dim, for integer positions ``t`` of any shape.
+def fourier_features(
+    t: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``[cos(w t), sin(w t)]`` in ``dtype`` along a new last dim, for integer positions ``t`` of any shape.
 
     Phases are formed in fp64: in fp32, ``w * t`` at t = 1e5 is already off by ~4e-3 rad. The cost is
     O(L * R), nothing next to attention.
     """
     phases = t.double()[..., None] * freqs.double()
-    return torch.cat([torch.cos(phases), torch.sin(phases)], dim=-1).float()
+    return torch.cat([torch.cos(phases), torch.sin(phases)], dim=-1).to(dtype)
 
 
 class SinkMLP(nn.Module):
@@ -107,7 +130,7 @@ class GoatPrior(nn.Module):
         self.init_scale = init_scale
         self.head_offset = head_offset
         self.total_kv_heads = total_kv_heads or num_kv_heads
-        self.num_lanes = 2 * pos_rank + (1 if key_bias else 0)
+        self.num_lanes = prior_lane_count(pos_rank, key_bias)
 
         self.register_buffer("rel_freqs", geometric_frequencies(pos_rank, pos_base), persistent=False)
         self.register_buffer("abs_freqs", geometric_frequencies(abs_rank, abs_base), persistent=False)
@@ -144,75 +167,110 @@ class GoatPrior(nn.Module):
             self.recency_slope_raw.fill_(-30.0)
 
     def _apply(self, fn, recurse=True):
-        # Keep the prior in fp32 when the model is cast (model.to(bfloat16)): its lanes are computed in
-        # fp32 and rounded once, at the end; rounding the parameters themselves would lose the small
-        # lambda values and the recency slopes.
+        # Keep the prior in at least fp32 when the model is cast (model.to(bfloat16)): its lanes are
+        # computed in the parameters' dtype and rounded once, at the end; rounding the parameters
+        # themselves would lose the small lambda values and the recency slopes. A cast to float64 is
+        # followed (a float64 module is the reference the bf16 error is measured against).
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
-            if t.dtype == torch.float32 and out.is_floating_point() and out.dtype != torch.float32:
+            if t.dtype == torch.float32 and out.is_floating_point() and out.element_size() < 4:
                 return t.to(device=out.device)
             return out
 
         return super()._apply(keep_fp32, recurse)
 
-    # ---- per-key sink lane -------------------------------------------------------------------------
-    def sink(self, t: torch.Tensor, causal: bool) -> torch.Tensor:
-        """u_h(t_j) for fp32 positions ``t`` of shape (B, L): returns (B, L, H_kv)."""
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """fp32, or fp64 for a module cast to float64: lanes and log-prior are formed in this dtype."""
+        return self.rel_freqs.dtype if self.rel_freqs.dtype == torch.float64 else torch.float32
+
+    # ---- per-key value u(j) ------------------------------------------------------------------------
+    def sink(
+        self, position_ids: torch.Tensor, causal: bool, origin: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """u_h(t_j) for integer positions (B, L), up to a per-row constant: returns (B, L, H_kv).
+
+        ``origin`` (B, 1): the per-sequence constant the recency is measured from (default
+        ``sequence_origin(position_ids)``; under context parallelism, the whole row's).
+        """
+        dtype = self.compute_dtype
+        t = position_ids.to(dtype)
         denom = float(self.training_seq_len)
         feats = torch.cat(
             [
-                fourier_features(t, self.abs_freqs),
+                fourier_features(position_ids, self.abs_freqs, dtype),
                 (t / denom)[..., None],
                 (torch.log1p(t) / math.log1p(denom))[..., None],
             ],
             dim=-1,
         )
-        u = self.sink_gain * self.sink_mlp(feats)[..., None] + self.sink_bump * (t == 0).float()[..., None]
+        with torch.autocast(
+            position_ids.device.type, enabled=False
+        ):  # the MLP stays fp32 under bf16 autocast
+            mlp = self.sink_mlp(feats)
+        u = self.sink_gain * mlp[..., None] + self.sink_bump * (position_ids == 0)[..., None]
         if causal:
-            # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measure t_j from the
-            # middle of the sequence's positions so the lane stays small (|.| <= slope * L / 2) at any
-            # absolute offset. Integer t0 keeps (t - t0) exact.
-            t0 = torch.div(
-                t.amin(dim=-1, keepdim=True) + t.amax(dim=-1, keepdim=True), 2, rounding_mode="floor"
-            )
-            u = u + F.softplus(self.recency_slope_raw) * (t - t0)[..., None]
+            # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measured from the middle
+            # of the sequence's positions it stays small (|.| <= slope * L / 2) at any absolute offset.
+            # Integer origin keeps (t - origin) exact.
+            origin = sequence_origin(position_ids) if origin is None else origin
+            u = u + F.softplus(self.recency_slope_raw) * (position_ids - origin).to(dtype)[..., None]
         return u
 
     # ---- folded form -------------------------------------------------------------------------------
-    def lanes(self, position_ids: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query and key lanes, each (B, L, H_kv, 2R+1) fp32, with ``q_lanes . k_lanes = K_ij + c_i``."""
-        t = position_ids.to(torch.float32)
-        B, L = t.shape
+    def lanes(
+        self,
+        position_ids: torch.Tensor,
+        causal: bool,
+        *,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
+        origin: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key lanes, each (B, L, H_kv, num_lanes) in ``dtype``, with
+        ``scale * (q_lanes . k_lanes) = K_ij + c_i`` when the kernel rounds nothing beyond ``dtype``.
+
+        ``scale`` is the softmax scale the kernel applies to every lane (GOAT's ``1/sqrt(d_c)``): the
+        lanes carry its inverse. Spectral lanes: query ``(a cos + b sin) / scale`` (one rounding of a
+        per-head coefficient times a bounded value), key ``cos(w t_j)`` from global positions. Per-key
+        lanes: query ``LANE_QUERY`` (exact), key ``u_j / (scale * LANE_QUERY)`` split into
+        ``SPLIT_PARTS`` parts exact in ``dtype`` (``split_exact``).
+        """
+        B, L = position_ids.shape
         H, R = self.num_kv_heads, self.pos_rank
+        cdt = self.compute_dtype
         q_parts, k_parts = [], []
         if R > 0:
-            rel_t = position_ids - position_ids.amin(dim=-1, keepdim=True)  # K_rel depends on t_i - t_j only
-            cos, sin = fourier_features(rel_t, self.rel_freqs)[..., None, :].split(R, dim=-1)  # (B, L, 1, R)
-            a, b = self.lambda_sym, self.lambda_asym  # (H, R)
+            feats = fourier_features(position_ids, self.rel_freqs, cdt)[..., None, :]  # (B, L, 1, 2R)
+            cos, sin = feats.split(R, dim=-1)
+            a, b = self.lambda_sym.to(cdt) / scale, self.lambda_asym.to(cdt) / scale  # (H, R)
             q_parts += [a * cos + b * sin, a * sin - b * cos]
             k_parts += [cos.expand(B, L, H, R), sin.expand(B, L, H, R)]
         if self.key_bias:
-            q_parts.append(t.new_ones(B, L, H, 1))
-            k_parts.append(self.sink(t, causal)[..., None])
+            u = self.sink(position_ids, causal, origin) / (scale * LANE_QUERY)
+            q_parts.append(torch.full((B, L, H, SPLIT_PARTS), LANE_QUERY, dtype=cdt, device=u.device))
+            k_parts.append(split_exact(u, dtype))
         if not q_parts:
-            empty = t.new_zeros(B, L, H, 0)
+            empty = torch.zeros(B, L, H, 0, dtype=dtype, device=position_ids.device)
             return empty, empty
-        return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1)
+        return torch.cat(q_parts, dim=-1).to(dtype), torch.cat(k_parts, dim=-1).to(dtype)
 
     # ---- explicit form -----------------------------------------------------------------------------
-    def log_prior(self, position_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-        """The explicit log-prior K_ij, (B, H_kv, L, L) fp32, straight from the formula."""
-        t = position_ids.to(torch.float32)
-        B, L = t.shape
-        K = t.new_zeros(B, self.num_kv_heads, L, L)
+    def log_prior(
+        self, position_ids: torch.Tensor, causal: bool, origin: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The explicit log-prior K_ij, (B, H_kv, L, L) in ``compute_dtype``, straight from the formula."""
+        dtype = self.compute_dtype
+        B, L = position_ids.shape
+        K = torch.zeros(B, self.num_kv_heads, L, L, dtype=dtype, device=position_ids.device)
         if self.pos_rank > 0:
             delta = (position_ids[:, :, None] - position_ids[:, None, :]).double()  # (B, L, L)
             phases = delta[:, None, :, :, None] * self.rel_freqs.double()  # (B, 1, L, L, R)
             a = self.lambda_sym[None, :, None, None, :]
             b = self.lambda_asym[None, :, None, None, :]
-            K = K + (a * torch.cos(phases).float() + b * torch.sin(phases).float()).sum(-1)
+            K = K + (a * torch.cos(phases).to(dtype) + b * torch.sin(phases).to(dtype)).sum(-1)
         if self.key_bias:
-            K = K + self.sink(t, causal).permute(0, 2, 1)[:, :, None, :]
+            K = K + self.sink(position_ids, causal, origin).permute(0, 2, 1)[:, :, None, :]
         return K
 
     def extra_repr(self) -> str:

@@ -1,7 +1,9 @@
 """Build a ``GoatSelfAttention`` from the authors' reference ``goat.attention.GoatAttention``.
 
 The reference projects q and k to the full head dim and then drops their last ``2R+1`` lanes; only the
-content rows are copied, into the grouped fused layout of ``split_grouped_qkv``.
+content rows are copied, into the grouped fused layout of ``split_grouped_qkv``. The converted module
+keeps the reference's content dim ``D - 2R - 1`` and appends its own ``2R + 3`` lanes, so its q/k are two
+lanes wider than v (the flash path pads v; sdpa and eager take unequal head dims).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def from_reference(ref, backend: str = "auto") -> GoatSelfAttention:
         prior_init=ref.prior_init,
         bias=bq is not None,
         backend=backend,
+        content_dim=ref.content_dim,
     ).to(device=wq.device)
     H, G, D, dc = ref.num_heads, ref.kv_num_heads, ref.head_dim, ref.content_dim
     group = H // G

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from data_tools.shard_format import TOKENIZER_NAME
 
+from ..trainer.optim import is_prior
 from . import universal
 from .manager import MANIFEST, STATE, CheckpointError, verify
 
@@ -63,9 +64,16 @@ def _tokenizer_of(config: dict) -> Path | None:
     return path if path.is_file() else None
 
 
+def export_dtype(name: str, target: torch.dtype) -> torch.dtype:
+    """GOAT's prior parameters stay fp32 in a bf16 export: rounding them loses the small lambda values and
+    recency slopes (the same reason the prior stays fp32 in training and under ``model.to(bfloat16)``)."""
+    return torch.float32 if is_prior(name) else target
+
+
 def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
     """Write ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the model
-    section of the run's config) and, when found, ``out/tokenizer.json``. Atomic: built in a temp dir."""
+    section of the run's config) and, when found, ``out/tokenizer.json``. Atomic: built in a temp dir.
+    The values are the fp32 master weights of the universal state; ``dtype=bf16`` rounds all but the prior."""
     step_dir = resolve_step_dir(path)
     verify(step_dir)
     if not (step_dir / "universal" / "meta.json").is_file():
@@ -73,7 +81,7 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
     full, _ = universal.read_full(step_dir, ("",))
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    tensors = {name: t[""].to(target).contiguous() for name, t in full.items()}
+    tensors = {name: t[""].to(export_dtype(name, target)).contiguous() for name, t in full.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -6,9 +6,12 @@ Layout of ``<run_dir>/checkpoints/``::
                              rng_rank<R>.pt (every rank), trainer_state.json, config.yaml,
                              manifest.json (sizes + sha256 of every file; written last)
     latest                   the tag of the newest complete checkpoint (temp + fsync + rename)
+    stale/                   checkpoints moved aside at start: newer than the run's starting point and
+                             so not in its lineage (lineage.py)
 
 A checkpoint counts only once ``latest`` names it, which happens after every rank finished writing and
-the manifest exists: a crash at any point before leaves the previous checkpoint as ``latest``.
+the manifest exists: a crash at any point before leaves the previous checkpoint as ``latest``. Which
+checkpoint to resume from is decided on rank 0 (resume.py); ``keep_last`` counts only the run's lineage.
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_write_text, file_problem, sha256_file
-from . import rng, universal
+from . import lineage, rng, universal
 from .errors import CheckpointError
+from .names import LATEST, MANIFEST, STALE, STATE, tag_for
+from .resume import agree_on_checkpoint
 from .safe_load import load as safe_load
 from .safe_load import safe_loading
 from .safe_load import scan as scan_pickles
 
-MANIFEST = "manifest.json"
-LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage")
-STATE = "trainer_state.json"
+__all__ = ["MANIFEST", "STATE", "CheckpointError", "CheckpointManager", "tag_for", "verify", "write_manifest"]
 
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
+# what must match for DeepSpeed's own shards to load (bit-exact); otherwise the universal state is used.
+# ``precision`` and ``param_groups`` (the optimizer's group names) are absent from older checkpoints,
+# which therefore resume through universal/.
+LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage", "precision", "param_groups")
 
 
 def write_manifest(step_dir: Path, extra: dict) -> None:
@@ -67,13 +71,40 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.is_main = is_main
         self.universal = universal
+        self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
 
     # ---- reading ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
+        """This process's view of ``latest`` (see ``choose_resume`` for the decision every rank uses)."""
+        pointer = self.root / LATEST
         if not pointer.is_file():
             return None
         return self.root / pointer.read_text().strip()
+
+    def choose_resume(self, choice: str) -> Path | None:
+        """Collective: the checkpoint to resume from per ``train.resume`` (auto, never or a path), decided on
+        rank 0 and seen by every rank (else a CheckpointError on all ranks naming the path and rank)."""
+        if choice == "never":
+            return None
+        return agree_on_checkpoint(choice, self.latest)
+
+    def begin(self, resumed_from: Path | None, start_step: int) -> list[str]:
+        """Rank 0, once the run's starting point is known: start this run's lineage there and move
+        checkpoints newer than it (not in its lineage) to ``checkpoints/stale/``. Returns the moved tags."""
+        start_tag = None
+        if resumed_from is not None and Path(resumed_from).parent.resolve() == self.root.resolve():
+            start_tag = Path(resumed_from).name
+        self.parent = start_tag
+        if not self.is_main or not self.root.is_dir():
+            return []
+        moved = lineage.move_aside_newer(self.root, start_step, start_tag)
+        if moved:
+            print(
+                f"checkpoints newer than this run's start (step {start_step}) are not in its lineage and "
+                f"were moved to {self.root / STALE}: {', '.join(moved)} (train.resume=never or a resume "
+                "from an older checkpoint); keep_last never counts them. Delete them when no longer needed."
+            )
+        return moved
 
     # ---- saving -----------------------------------------------------------------------------------
     def save(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
@@ -82,6 +113,7 @@ class CheckpointManager:
         step = trainer_state["step"]
         tag = tag_for(step)
         step_dir = self.root / tag
+        trainer_state[lineage.PARENT] = self.parent if self.parent != tag else None
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if step_dir.exists():  # a leftover of an interrupted save of the same step
@@ -99,22 +131,12 @@ class CheckpointManager:
             fault_hook("before_publish", step_dir)
         if self.is_main:
             write_manifest(step_dir, {"step": step, "saved_at": time.time()})
-            atomic_write_text(self.root / "latest", tag)
-            self._prune(keep=tag)
+            atomic_write_text(self.root / LATEST, tag)
+            lineage.prune(self.root, tag, self.keep_last)
         dist.barrier()
+        self.parent = tag
         trainer_state["last_save_s"] = time.perf_counter() - started
         return step_dir
-
-    def _prune(self, keep: str) -> None:
-        if self.keep_last <= 0:
-            return
-        complete = sorted(p for p in self.root.glob("step_*") if (p / MANIFEST).is_file())
-        for old in complete[: -self.keep_last]:
-            if old.name != keep:
-                shutil.rmtree(old, ignore_errors=True)
-        for partial in self.root.glob("step_*"):  # interrupted saves older than the new checkpoint
-            if not (partial / MANIFEST).is_file() and partial.name < keep:
-                shutil.rmtree(partial, ignore_errors=True)
 
     # ---- loading ----------------------------------------------------------------------------------
     def load(self, engine, step_dir: Path, layout: dict) -> dict:
@@ -133,7 +155,8 @@ class CheckpointManager:
             raise CheckpointError(error or f"checkpoint {step_dir} failed verification on another rank")
         state = json.loads((step_dir / STATE).read_text())
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
-        if saved == layout:  # the same layout: DeepSpeed's own shards, bit-exact
+        same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}
+        if same:  # the same layout: DeepSpeed's own shards, bit-exact
             with safe_loading(state["step"]):
                 path, _ = engine.load_checkpoint(
                     str(step_dir.parent),
@@ -152,5 +175,10 @@ class CheckpointManager:
                     f"checkpoint {step_dir} was saved with layout {saved}, this run is {layout}, and it has "
                     "no universal/ state (checkpoint.universal was off): resume it on its own layout"
                 )
+            if self.is_main:
+                changed = {
+                    k: f"{saved[k]} -> {layout.get(k)}" for k in LAYOUT_KEYS if saved[k] != layout.get(k)
+                }
+                print(f"checkpoint {step_dir}: layout differs ({changed}); loading its universal/ state")
             universal.load(engine, engine.module, step_dir, state["step"])
         return state

@@ -1,11 +1,16 @@
-"""Layout-independent model + optimizer state: what lets a run resume on another TP / DP / ZeRO layout
-and what ``goat-dist ckpt export`` reads.
+"""Layout-independent model + optimizer state: what lets a run resume on another TP / DP / ZeRO layout or
+precision, and what ``goat-dist ckpt export`` reads.
 
 Inside each checkpoint, ``universal/tp<R>.safetensors`` (written by the data-parallel rank 0 of every
 tensor-parallel rank R) holds, per parameter, this TP rank's slice gathered over data parallelism: the
-fp32 value and Adam's ``exp_avg`` / ``exp_avg_sq``. ``universal/meta.json`` records how each parameter
-is split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``), so a loader can merge the
-slices and re-split them for any TP size.
+fp32 master value and Adam's ``exp_avg`` / ``exp_avg_sq``, read from wherever DeepSpeed keeps them
+(``masters.py``: never the bf16 forward weights). ``universal/meta.json`` records how each parameter is
+split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``), so a loader can re-split the
+slices for any TP size.
+
+Loading is sliced (``slices.py``): each rank reads only the flat ranges of its own (new-layout) tensors
+that its optimizer partition holds, so the extra host memory of a resume is about the rank's share of the
+checkpoint, not the whole merged model.
 """
 
 from __future__ import annotations
@@ -15,73 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
 from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_write_text
+from .masters import KEYS, MOMENTS, layout_of
+from .slices import UniversalReader, tensor_key
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _managed_by_deepspeed(p) -> bool:
-    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
-
-
-def _base_optimizer(engine):
-    opt = engine.optimizer
-    return getattr(opt, "optimizer", opt)
-
-
-def relink_optimizer_state(engine) -> None:
-    """Point DeepSpeed's per-parameter optimizer-state views at the current Adam state.
-
-    ZeRO-1/2 link them lazily during the first step, after stepping only the first parameter group, so
-    later groups (norms, GOAT priors) stay linked to empty state; linking again fixes every group."""
-    opt = engine.optimizer
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state") and hasattr(opt, "_hp_optimizer_states_linked"):
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()
-
-
-def _ensure_optimizer_state(engine) -> None:
-    """Adam creates its state on the first step; a freshly built engine about to receive a checkpoint's
-    moments has none yet. Create it (zeros) for the flat fp32 partitions DeepSpeed steps."""
-    opt = engine.optimizer
-    base = _base_optimizer(engine)
-    flats = []
-    for attr in (
-        "fp32_partitioned_groups_flat",
-        "single_partition_of_fp32_groups",
-        "fp32_groups_flat_partition",
-    ):
-        flats = list(getattr(opt, attr, None) or [])
-        if flats:
-            break
-    for flat in flats:
-        state = base.state[flat]
-        if "exp_avg" not in state:
-            state.update(
-                step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
-            )
-
-
-def _full_dp_states(engine, p) -> dict[str, torch.Tensor]:
-    """This TP rank's fp32 value and Adam moments of ``p``, whole over DP. Collective over DP under ZeRO."""
-    if _managed_by_deepspeed(p):
-        out = {"": safe_get_full_fp32_param(p)}
-        out.update({m: safe_get_full_optimizer_state(p, m) for m in MOMENTS})
-    else:  # ZeRO-0 in fp32: the parameter is its own master copy, the torch optimizer holds the moments
-        state = _base_optimizer(engine).state.get(p, {})
-        out = {"": p.detach()}
-        out.update({m: state.get(m, torch.zeros_like(p)) for m in MOMENTS})
-    return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+__all__ = ["MOMENTS", "load", "merge", "read_full", "save", "split", "split_meta"]
 
 
 def split_meta(p) -> dict:
@@ -96,24 +43,50 @@ def save(engine, model, step_dir: Path, step: int) -> None:
     """Collective: every rank calls it."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     writer = parallel_state.get_data_parallel_rank() == 0
-    relink_optimizer_state(engine)
+    masters = layout_of(engine)
+    masters.prepare()
     tensors, meta = {}, {}
     for name, p in model.named_parameters():
-        states = _full_dp_states(engine, p)
+        states = masters.full(p)  # collective over DP under ZeRO
         meta[name] = split_meta(p)
         if writer:
             for key, value in states.items():
-                tensors[f"{name}::{key}" if key else name] = value
+                tensors[tensor_key(name, key)] = value.detach().float().cpu().contiguous()
     out = Path(step_dir) / "universal"
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / f"tp{tp_rank:02d}.safetensors"))
     if dist.get_rank() == 0:
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        atomic_write_text(out / "meta.json", json.dumps({"tp": tp, "step": step, "params": meta}, indent=1))
+        record = {"tp": tp, "step": step, "optimizer": masters.name, "params": meta}
+        atomic_write_text(out / "meta.json", json.dumps(record, indent=1))
 
 
-# ---- merging and re-splitting ------------------------------------------------------------------------
+def load(engine, model, step_dir: Path, step: int) -> None:
+    """Collective: set every rank's fp32 masters, Adam moments and forward weights from a checkpoint of any
+    layout, reading only the ranges this rank holds."""
+    reader = UniversalReader(
+        step_dir,
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    masters = layout_of(engine)
+    masters.prepare()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            reader.split_of(name)  # a parameter the checkpoint lacks is an error naming it
+            for owned in masters.owned(p):
+                for key in KEYS:
+                    piece = reader.read_flat(name, key, owned.start, owned.numel)
+                    owned.dest[key].copy_(piece)
+                    if not key and "lp" in owned.dest:
+                        owned.dest["lp"].copy_(piece)
+                    del piece
+    masters.finish_load(step)
+    _set_schedule(engine.lr_scheduler, step)
+
+
+# ---- merging and re-splitting (whole tensors: export, tests) -------------------------------------------
 def merge(parts: list[torch.Tensor], meta: dict) -> torch.Tensor:
     if not meta["tp_split"] or len(parts) == 1:
         return parts[0]
@@ -132,72 +105,15 @@ def split(full: torch.Tensor, meta: dict, tp: int, rank: int) -> torch.Tensor:
 def read_full(
     step_dir: Path, keys: tuple[str, ...] = ("",)
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """Every parameter whole (TP merged), per key ("" = value, or a moment): ({name: {key: tensor}}, meta)."""
+    """Every parameter whole (TP merged), per key ("" = value, or a moment): ({name: {key: tensor}}, meta).
+    For one-process tools (export); a training rank reads its slices through ``slices.UniversalReader``."""
     udir = Path(step_dir) / "universal"
     meta = json.loads((udir / "meta.json").read_text())
     files = [safe_open(str(udir / f"tp{r:02d}.safetensors"), framework="pt") for r in range(meta["tp"])]
     out = {}
     for name, m in meta["params"].items():
-        out[name] = {
-            key: merge([f.get_tensor(f"{name}::{key}" if key else name) for f in files], m) for key in keys
-        }
+        out[name] = {key: merge([f.get_tensor(tensor_key(name, key)) for f in files], m) for key in keys}
     return out, meta
-
-
-def load(engine, model, step_dir: Path, step: int) -> None:
-    """Collective: set every rank's parameters and Adam state from a checkpoint of any layout."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    full, meta = read_full(step_dir, ("", *MOMENTS))
-    _ensure_optimizer_state(engine)
-    relink_optimizer_state(engine)
-    base = _base_optimizer(engine)
-    for name, p in model.named_parameters():
-        if name not in full:
-            raise KeyError(f"{step_dir}: universal state has no parameter {name}")
-        local = {k: split(v, meta["params"][name], tp, tp_rank) for k, v in full[name].items()}
-        value = local[""]
-        if hasattr(p, "ds_id"):
-            for key, tensor in local.items():
-                _set_zero3_partition(engine.optimizer, p, tensor, key or None)
-            _set_low_precision_copy(p, value)
-        elif _managed_by_deepspeed(p):
-            safe_set_full_fp32_param(p, value)
-            for m in MOMENTS:
-                safe_set_full_optimizer_state(p, local[m], m)
-            _set_low_precision_copy(p, value)
-        else:
-            with torch.no_grad():
-                p.copy_(value)
-            base.state[p] = {"step": torch.tensor(float(step)), **{m: local[m].clone() for m in MOMENTS}}
-    for state in base.state.values():  # Adam's bias correction continues from the saved step
-        if "step" in state:
-            state["step"] = torch.full_like(torch.as_tensor(state["step"]), float(step))
-    _set_schedule(engine.lr_scheduler, step)
-
-
-def _set_zero3_partition(opt, p, value: torch.Tensor, key: str | None) -> None:
-    """This rank's slice of a ZeRO-3 fp32 value or moment. DeepSpeed's own setter mis-slices parameters
-    smaller than the data-parallel size (its partitions are padded); this pads the same way."""
-    part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
-    start = part.numel() * opt._get_param_partition_rank(p)
-    piece = value.flatten()[start : start + part.numel()]
-    with torch.no_grad():
-        part.zero_()
-        part[: piece.numel()].copy_(piece)
-
-
-def _set_low_precision_copy(p, value: torch.Tensor) -> None:
-    """DeepSpeed's setters change the fp32 master only; the weights the forward pass uses follow here."""
-    with torch.no_grad():
-        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's flat partition of the parameter
-            part = p.ds_tensor
-            flat = value.flatten()
-            start = part.numel() * dist.get_rank(group=parallel_state.get_data_parallel_group())
-            piece = flat[start : start + part.numel()]
-            part.view(-1)[: piece.numel()].copy_(piece.to(part.dtype))
-        else:
-            p.copy_(value.to(p.dtype))
 
 
 def _set_schedule(scheduler, step: int) -> None:

@@ -200,10 +200,29 @@ class PackedBatches(IterableDataset):
         return {"tokens": out[0], "labels": out[1], "position_ids": out[2], "skipped": storage[-1]}
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: workers ignore SIGTERM, SIGUSR1 and SIGINT.
+
+    Why: a signal sent to the whole process group (Slurm signals every process of a step; torchrun uses
+    killpg) also reaches the workers, which are forked before the trainer installs its handlers. A worker
+    killed by it makes the main process raise "DataLoader worker ... killed" instead of saving at the next
+    step boundary. The trainer (main process) decides; workers end when the loader shuts them down."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _loader(dataset: PackedBatches, num_workers: int, pin_memory: bool) -> DataLoader:
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_ignore_stop_signals if num_workers else None,
+    )
 
 
 def build_train_loader(

@@ -80,23 +80,35 @@ class ParallelSelfAttention(nn.Module):
             skip_bias_add=False,
         )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, segments=None, origin=None
+    ) -> torch.Tensor:
+        """``origin`` (b, 1): GOAT's per-sequence recency origin; None derives it from ``position_ids``
+        (a context-parallel caller passes the whole row's, see ``attention.exact.sequence_origin``)."""
         mixed, _ = self.qkv(x)  # [s, b, local width]; gathers the sequence under SP
         mixed = mixed.transpose(0, 1)
         q, k, v = split_grouped_qkv(mixed, self.local_kv_heads, self.group, self.content_dim, self.head_dim)
         if self.checkpoint_core and self.training:  # selective recomputation: keep no L x L activations
-            out = checkpoint(self._attend, q, k, v, position_ids, segments, use_reentrant=False)
+            out = checkpoint(self._attend, q, k, v, position_ids, segments, origin, use_reentrant=False)
         else:
-            out = self._attend(q, k, v, position_ids, segments)
+            out = self._attend(q, k, v, position_ids, segments, origin)
         b, s = out.shape[:2]
         out, _ = self.proj(out.reshape(b, s, -1).transpose(0, 1))  # reduce(-scatter under SP)
         return out
 
-    def _attend(self, q, k, v, position_ids, segments=None):
+    def _attend(self, q, k, v, position_ids, segments=None, origin=None):
         position = self.cfg.position
         if position == "goat":
             return goat_attention(
-                q, k, v, self.prior, position_ids, causal=True, backend=self.backend, segments=segments
+                q,
+                k,
+                v,
+                self.prior,
+                position_ids,
+                causal=True,
+                backend=self.backend,
+                segments=segments,
+                origin=origin,
             )
         scale = self.head_dim**-0.5
         if position == "rope":

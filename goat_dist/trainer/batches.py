@@ -13,8 +13,17 @@ from ..distributed import Layout
 
 
 def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
-    """``[{path, weight}]``: the builtin corpus (built once, by rank 0), one shard dir, or a mixture."""
-    if cfg.data.sources:
+    """``[{path, weight}]``: the builtin corpus (built once, by rank 0), one shard dir, a mixture, or the
+    manifest-only directory that describes a generated task (``data.synthetic``)."""
+    if cfg.data.synthetic:
+        from ..data import synthetic
+
+        cache = Path(cfg.data.cache_dir).expanduser()
+        if layout.is_main:
+            synthetic.source_dir(cfg.data.synthetic, cache)
+        dist.barrier()
+        sources = [{"path": str(synthetic.source_dir(cfg.data.synthetic, cache)), "weight": 1.0}]
+    elif cfg.data.sources:
         sources = [
             {
                 "path": s["path"] if is_url(s["path"]) else str(Path(s["path"]).expanduser()),
@@ -48,6 +57,20 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
 def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample: int = 0):
     """This rank's micro-batches from global sample ``start_sample`` on (exact resume)."""
     d = cfg.data
+    if d.synthetic:
+        from ..data import synthetic
+
+        return synthetic.build_loader(
+            d.synthetic,
+            "train",
+            cfg.model.seq_len,
+            cfg.train.micro_batch_size,
+            layout.dp_rank,
+            layout.dp,
+            seed=cfg.train.seed,
+            start_sample=start_sample,
+            num_workers=d.num_workers,
+        )
     return build_train_loader(
         sources,
         seq_len=cfg.model.seq_len,
@@ -65,6 +88,18 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
 
 def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
     d = cfg.data
+    if d.synthetic:
+        from ..data import synthetic
+
+        return synthetic.build_loader(
+            d.synthetic,
+            "val",
+            cfg.model.seq_len,
+            cfg.train.micro_batch_size,
+            layout.dp_rank,
+            layout.dp,
+            seed=0,
+        )
     return build_val_loader(
         sources,
         seq_len=cfg.model.seq_len,

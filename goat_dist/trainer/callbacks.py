@@ -1,16 +1,20 @@
 """Callbacks keep the loop short: progress lines, metrics.jsonl and TensorBoard live here.
 
 A callback sees the ``RunState``; the trainer calls ``on_train_start``, ``on_log`` (every
-``log.interval`` steps and the last), ``on_eval`` and ``on_train_end``. Only the main rank gets loggers.
+``log.interval`` steps and the last), ``on_eval``, ``on_prior`` (every ``log.prior_interval`` steps of a
+GOAT run) and ``on_train_end``. Only the main rank gets loggers. metrics.jsonl and TensorBoard write the
+same values at the same steps; ``observe.tags`` maps one's keys to the other's tags.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+from ..observe import tags
 from .state import RunState
 
 
@@ -20,6 +24,7 @@ class Callback:
     def on_eval(self, state: RunState, metrics: dict) -> None: ...
     def on_memory(self, state: RunState, per_rank: dict) -> None: ...
     def on_checkpoint(self, state: RunState, info: dict) -> None: ...
+    def on_prior(self, state: RunState, pictures: dict) -> None: ...
     def on_train_end(self, state: RunState) -> None: ...
 
 
@@ -47,8 +52,9 @@ class ConsoleLogger(Callback):
         eta = state.elapsed_s / done * (self.max_steps - state.step)
         self._print(
             f"step {state.step:>6}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-            f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s | "
-            f"{_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
+            f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s"
+            + (f" (MFU {100 * metrics['mfu']:.1f}%)" if "mfu" in metrics else "")
+            + f" | {_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
         )
 
     def on_checkpoint(self, state, info):
@@ -59,7 +65,13 @@ class ConsoleLogger(Callback):
         self._print(f"memory per rank (params + grads + optimizer state), MiB: {', '.join(mib)}")
 
     def on_eval(self, state, metrics):
-        self._print(f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}")
+        line = f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}"
+        if "val_ppl" in metrics:
+            line += f" | val_ppl {metrics['val_ppl']:.2f}"
+        if metrics.get("attn_sink_mass"):
+            sink = ", ".join(f"{v:.2f}" for v in metrics["attn_sink_mass"])
+            line += f" | attention on token 0 per layer: {sink}"
+        self._print(line)
 
     def on_train_end(self, state):
         self._print(
@@ -92,25 +104,49 @@ class JsonlLogger(Callback):
     def on_memory(self, state, per_rank):
         self._write({"event": "memory", "step": state.step, "bytes_per_rank": per_rank})
 
+    def on_prior(self, state, pictures):
+        self._write(
+            {
+                "event": "prior",
+                "step": state.step,
+                "seconds": pictures["seconds"],
+                "images": sorted(pictures["images"]),
+            }
+        )
+
 
 class TensorBoardLogger(Callback):
-    """Scalars under ``train/`` and ``eval/`` in the run directory's ``tensorboard/``."""
+    """``<run_dir>/tensorboard/``: scalars under the tags of ``observe.tags`` (train/, perf/, mem/, data/,
+    val/, attn/), the GOAT prior's pictures (prior/), and the resolved config and code version as text."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, config_text: str = "", code_version: str = ""):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.config_text, self.code_version = config_text, code_version
+
+    def _scalars(self, metrics: dict, table: dict, step: int) -> None:
+        for tag, value in tags.scalars(metrics, table):
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def on_train_start(self, state, info):
+        if self.config_text:  # indented: TensorBoard renders text as markdown, this keeps YAML verbatim
+            self.writer.add_text("run/config", textwrap.indent(self.config_text, "    "), state.step)
+        if self.code_version:
+            self.writer.add_text("run/code_version", self.code_version, state.step)
+        self.writer.flush()
 
     def on_log(self, state, metrics):
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)):
-                self.writer.add_scalar(f"train/{key}", value, state.step)
-        self.writer.flush()
+        self._scalars(metrics, tags.TRAIN_TAGS, state.step)
 
     def on_eval(self, state, metrics):
-        for key, value in metrics.items():
-            self.writer.add_scalar(f"eval/{key}", value, state.step)
-        self.writer.flush()
+        self._scalars(metrics, tags.EVAL_TAGS, state.step)
+
+    def on_prior(self, state, pictures):
+        for tag, image in pictures["images"].items():
+            self.writer.add_image(tag, image, state.step, dataformats="HWC")
+        self._scalars({"prior_s": pictures["seconds"]}, tags.PRIOR_TAGS, state.step)
 
     def on_train_end(self, state):
         self.writer.close()

@@ -142,7 +142,11 @@ def raise_nonfinite(engine, step: int, control, samples: list[int], dataset, rea
     parts = [f"step {step}: non-finite {what}" + (f" ({reason})" if reason else "")]
     if offending:
         rank, n = offending[0]
-        parts.append(f"the micro-batch on rank {rank} starting at {describe_sample(dataset, n)}")
+        try:
+            where = describe_sample(dataset, n)
+        except (AttributeError, IndexError, ValueError):  # a generated source has no shards to name
+            where = f"global sample {n} ({type(dataset).__name__})"
+        parts.append(f"the micro-batch on rank {rank} starting at {where}")
     parts.append(f"first parameter with a non-finite gradient: {param}" if param else "all gradients finite")
     if not reason:
         parts.append("set train.on_nonfinite=skip to drop such updates instead")

@@ -10,20 +10,32 @@ from torch import nn
 from ..config import TrainConfig
 
 
+def is_prior(name: str) -> bool:
+    """GOAT's prior parameters (lambda_*, recency_slope_raw, sink_*, the sink MLP): kept fp32 in bf16 mode."""
+    return ".prior." in f".{name}"
+
+
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """Norms, biases and the GOAT prior are not decayed (the prior's scale is its meaning)."""
-    return param.ndim < 2 or ".prior." in f".{name}" or "norm" in name
+    return param.ndim < 2 or is_prior(name) or "norm" in name
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, keep = [], []
+    """Three groups: decayed weights, undecayed weights, and the GOAT prior (undecayed).
+
+    The prior has a group of its own because each group must hold one dtype: DeepSpeed flattens a group
+    into one buffer (ZeRO-1/2) and in bf16 mode the prior stays fp32 while everything else is bf16
+    (``parallelize.keep_prior_fp32``). Empty groups are dropped (models without a GOAT prior)."""
+    decay, keep, prior = [], [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (keep if no_decay(name, p) else decay).append(p)
-    return [
+            (prior if is_prior(name) else keep if no_decay(name, p) else decay).append(p)
+    groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": keep, "weight_decay": 0.0, "name": "no_decay"},
+        {"params": prior, "weight_decay": 0.0, "name": "prior"},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -7,13 +7,15 @@ data-parallel group only, through megatron's process groups).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
 from ..config import Config
-from .optim import build_optimizer
+from .optim import build_optimizer, is_prior
 
 
 class MegatronMPU:
@@ -96,17 +98,121 @@ def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
     _skip_deepspeed_shm_build()
     add_tp_grad_allreduce(model)
     optimizer, scheduler = build_optimizer(model, cfg.train)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, grad_accum),
-        mpu=MegatronMPU(),
-        dist_init_required=False,
-    )
-    if cfg.parallel.zero_stage == 0:
+    bf16, stage = cfg.train.precision == "bf16", cfg.parallel.zero_stage
+    keep = prior_params(model) if bf16 and stage in PRIOR_FP32_STAGES else []
+    with keep_fp32_through_cast(keep):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, grad_accum),
+            mpu=MegatronMPU(),
+            dist_init_required=False,
+        )
+    if bf16 and stage not in PRIOR_FP32_STAGES and prior_params(model) and dist.get_rank() == 0:
+        print(ZERO3_PRIOR_NOTE)
+    if stage == 0 and not bf16:
         _record_grad_norm(engine)
+    if stage == 0 and bf16:
+        undo_unfused_init_step(engine)
+    if stage == 0 and bf16 and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        mark_tp_gradients(model)
     return engine
+
+
+# ---- GOAT's prior in bf16 mode -------------------------------------------------------------------------
+# DeepSpeed's bf16 mode casts every parameter's ``.data`` (DeepSpeedEngine._cast_module_mixed_precision),
+# which bypasses GoatPrior._apply, the hook that keeps the prior fp32 under ``model.to(bfloat16)``.
+# ZeRO-0 (FP16_UnfusedOptimizer: per-parameter fp32 clones) and ZeRO-1/2 (one flat buffer per parameter
+# group, its own fp32 partition, overflow check and norm per group) accept a group of fp32 parameters next
+# to bf16 groups, so the prior is excluded from the cast and has its own group (optim.param_groups); its
+# gradients travel in DeepSpeed's bf16 communication buckets like all others. ZeRO-3 does not: it moves the
+# partitions of all groups into ONE contiguous buffer (``defragment`` in deepspeed/runtime/zero/utils.py
+# asserts a single dtype; stage3.py ``_create_fp16_partitions_with_defragmentation``). Under ZeRO-3 + bf16
+# the prior's working copy is therefore bf16, like every other weight, while its master copy and Adam state
+# stay fp32; rank 0 says so at start (ZERO3_PRIOR_NOTE) and tests/test_bf16_prior.py pins it.
+PRIOR_FP32_STAGES = (0, 1, 2)
+ZERO3_PRIOR_NOTE = (
+    "note: ZeRO-3 + bf16: GOAT's prior parameters compute in bf16 (their fp32 master copy and Adam state are "
+    "kept); DeepSpeed's ZeRO-3 keeps all parameter partitions in one buffer of a single dtype. Use ZeRO 0-2 "
+    "to keep the prior fp32 in the forward pass."
+)
+
+
+def prior_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for name, p in model.named_parameters() if is_prior(name)]
+
+
+@contextlib.contextmanager
+def keep_fp32_through_cast(params: list[nn.Parameter]):
+    """While DeepSpeed's engine is built, its mixed-precision cast leaves ``params`` as they are.
+
+    The cast replaces each parameter's ``.data``; the original fp32 tensors are put back right after it,
+    before DeepSpeed builds its optimizer (which then sees fp32 parameters in the prior's group)."""
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._cast_module_mixed_precision
+
+    def cast(engine, *args, **kwargs):
+        saved = [(p, p.data) for p in params]
+        original(engine, *args, **kwargs)
+        for p, data in saved:
+            p.data = data
+
+    DeepSpeedEngine._cast_module_mixed_precision = cast
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._cast_module_mixed_precision = original
+
+
+def undo_unfused_init_step(engine) -> None:
+    """bf16 + ZeRO-0: undo the optimizer step DeepSpeed takes while building its FP16_UnfusedOptimizer.
+
+    ``initialize_optimizer_states`` steps Adam once with zero gradients so that its state exists. That is
+    not free: AdamW's decoupled weight decay shrinks the fp32 masters by lr * weight_decay, and Adam's
+    step counter (its bias correction) runs one ahead for the whole run. No other stage does this, so
+    bf16 ZeRO-0 trained differently from bf16 ZeRO-1/2 and from fp32 (~6e-3 relative loss after 10
+    steps of the test model), and a universal resume between them changed the bias correction. The
+    masters are copied again from the model weights, which that step did not touch, and Adam's state
+    starts empty like everywhere else (torch creates it at the first real step)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if type(opt) is not FP16_UnfusedOptimizer:
+        return
+    with torch.no_grad():
+        for weights, masters in zip(opt.fp16_groups, opt.fp32_groups):
+            for p, master in zip(weights, masters):
+                master.copy_(p.data)
+    opt.optimizer.state.clear()
+
+
+# ---- gradient norms ------------------------------------------------------------------------------------
+def mark_tp_gradients(model: nn.Module) -> int:
+    """bf16 + ZeRO-0 + TP: let DeepSpeed's norm see which gradients are tensor-parallel slices.
+
+    DeepSpeed's FP16_UnfusedOptimizer computes the norm with ``get_weight_norm`` on the gradient tensors
+    and asks ``is_model_parallel_parameter`` of each of them; a gradient never carries megatron's
+    ``tensor_model_parallel`` attribute, so every TP rank but 0 skips all of its gradients and the norm
+    (and the clipping based on it) counts TP rank 0's slices only (0.90 of the TP=1 norm for the test
+    model at TP=2; tests/test_scale_out.py). Each new
+    gradient of a TP-split parameter gets the attribute, so the norm sums every rank's slices and counts
+    replicated parameters (identical on all TP ranks) once."""
+    count = 0
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            p.register_post_accumulate_grad_hook(_mark_grad)
+            count += 1
+    return count
+
+
+def _mark_grad(p: nn.Parameter) -> None:
+    if p.grad is not None:
+        p.grad.tensor_model_parallel = True
 
 
 def _record_grad_norm(engine) -> None:

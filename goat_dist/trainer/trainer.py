@@ -108,14 +108,16 @@ class Trainer:
         self._nonfinite_in_row = 0
 
     def _resume(self) -> Path | None:
-        """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path."""
-        choice = self.cfg.train.resume
-        if choice == "never":
-            return None
-        path = self.checkpoints.latest() if choice == "auto" else Path(choice)
+        """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path.
+
+        Rank 0 decides and every rank checks it sees that checkpoint (``CheckpointManager.choose_resume``);
+        checkpoints newer than the starting point leave this run's lineage (``CheckpointManager.begin``)."""
+        path = self.checkpoints.choose_resume(self.cfg.train.resume)
         if path is None:
+            self.checkpoints.begin(None, 0)
             return None
         saved = self.checkpoints.load(self.engine, path, self.layout_record())
+        self.checkpoints.begin(path, saved["step"])
         self.state.load_state_dict(saved["run_state"])
         restart = data_contract.check(
             saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
@@ -130,8 +132,16 @@ class Trainer:
         return path
 
     def layout_record(self) -> dict:
+        """What DeepSpeed's own checkpoint shards depend on; any difference resumes through universal/."""
         lay = self.layout
-        return {"world": lay.world, "tp": lay.tp, "dp": lay.dp, "zero_stage": self.cfg.parallel.zero_stage}
+        return {
+            "world": lay.world,
+            "tp": lay.tp,
+            "dp": lay.dp,
+            "zero_stage": self.cfg.parallel.zero_stage,
+            "precision": "bf16" if self.cfg.train.precision == "bf16" else "fp32",  # DeepSpeed's mode
+            "param_groups": [g.get("name") for g in self.engine.optimizer.param_groups],
+        }
 
     def save_checkpoint(self) -> Path:
         bad = nonfinite.first_nonfinite_weight(self.engine.module)
@@ -178,7 +188,10 @@ class Trainer:
             JsonlLogger(self.run_dir / "metrics.jsonl"),
         ]
         if self.cfg.log.tensorboard:
-            cbs.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+            from ..observe.run_info import code_version
+
+            config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+            cbs.append(TensorBoardLogger(self.run_dir / "tensorboard", config_text, code_version()))
         return cbs
 
     def _emit(self, event: str, *args) -> None:
@@ -204,6 +217,17 @@ class Trainer:
             "position": cfg.model.position,
             "attention_backend": self.model.blocks[0].attn.backend,
         }
+        from ..observe.flops import flops_per_token
+        from ..observe.run_info import code_version
+        from ..observe.step_metrics import device_peak
+
+        peak, peak_source = device_peak(cfg, lay.device) if lay.is_main else (None, "")
+        record.update(
+            code_version=code_version(),
+            flops_per_token=flops_per_token(cfg.model)["total"],
+            peak_tflops_per_device=peak / 1e12 if peak else None,
+            peak_source=peak_source,
+        )
         lines = [
             f"goat-dist run dir: {self.run_dir}",
             f"layout: world {lay.world} = TP {lay.tp} x DP {lay.dp} | SP {cfg.parallel.sp} | "
@@ -211,6 +235,9 @@ class Trainer:
             f"x DP {lay.dp} = global {cfg.train.global_batch_size} seqs of {cfg.model.seq_len}",
             f"model: {cfg.model.position} attention ({record['attention_backend']}), "
             f"params per rank {record['params_per_rank']}",
+            f"MFU basis: {record['flops_per_token'] / 1e9:.3f} GFLOP per token (observe/flops.py), peak "
+            + (f"{peak / 1e12:.2f} TFLOP/s per device" if peak else "unknown")
+            + f" ({peak_source})",
         ]
         if self.deadline is not None:
             lines.append(f"{self.deadline.describe()}: saves and exits 75 before it")
@@ -312,15 +339,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean validation loss over ``train.eval_batches``; with ``log.attention_stats`` the first batch's
+        forward pass also measures attention per layer (``self.attention_stats``, observe.attention_stats)."""
+        from ..observe.attention_stats import AttentionProbe
+
         self.engine.eval()
         it = iter(self.val_batches)
         total = torch.zeros((), device=self.layout.device)
         n = self.cfg.train.eval_batches
-        for _ in range(n):
+        probe = AttentionProbe(self.engine.module) if self.cfg.log.attention_stats else None
+        for i in range(n):
             tokens, positions, labels, _ = self._batch(it)
-            with self.autocast():
+            with self.autocast(), probe if (probe and i == 0) else contextlib.nullcontext():
                 total += self.engine(tokens, positions, labels).float()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        self.attention_stats = probe.result() if probe else None  # collective over TP
         self.engine.train()
         return total.item() / (n * self.layout.dp)
 
@@ -352,8 +385,14 @@ class Trainer:
         return iter(self._train_loader)
 
     def _loop(self, it) -> None:
+        import math
+
+        from ..observe.prior_snapshot import prior_snapshot
+        from ..observe.step_metrics import StepMetrics
+
         cfg, state = self.cfg, self.state
         tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        observed = StepMetrics(cfg, self.engine.module, self.layout, self._train_loader.dataset)
         window_start, window_steps = time.perf_counter(), 0
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
@@ -369,6 +408,7 @@ class Trainer:
             last = state.step == cfg.train.max_steps
             if state.step % cfg.log.interval == 0 or last or state.step == 1 or control.nonfinite:
                 seconds = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / seconds
                 state.metrics = {
                     "data_fingerprint": control.fingerprint,
                     "data_skipped": state.data_skipped,
@@ -376,20 +416,37 @@ class Trainer:
                     "loss": control.loss if not control.nonfinite_loss else float("nan"),
                     "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                    "tokens_per_s": tokens_per_step * window_steps / seconds,
+                    "tokens_per_s": tokens_per_s,
+                    # params norm, MFU, memory, epoch: one all-gather, at log steps only
+                    **observed.collect(state, seconds / window_steps, tokens_per_s),
                 }
                 self._emit("on_log", state.metrics)
                 window_start, window_steps = time.perf_counter(), 0
+            # evaluation, pictures and saves are not training time: the throughput window skips them
+            paused = time.perf_counter()
             if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
-                self._emit("on_eval", {"val_loss": self.evaluate()})
-                window_start = time.perf_counter()
+                val_loss = self.evaluate()
+                ppl = math.exp(min(val_loss, 700))
+                extra = getattr(self, "attention_stats", None) or {}
+                self._emit("on_eval", {"val_loss": val_loss, "val_ppl": ppl, **extra})
+            log = cfg.log
+            if log.tensorboard and log.prior_interval and state.step % log.prior_interval == 0:
+                t_prior = time.perf_counter()
+                snapshot = prior_snapshot(self.engine.module, log.prior_layers, log.prior_heads, state.step)
+                if snapshot is not None and self.layout.is_main:
+                    from ..observe.figures import prior_images
+
+                    images = prior_images(snapshot)
+                    self._emit("on_prior", {"images": images, "seconds": time.perf_counter() - t_prior})
+            window_start += time.perf_counter() - paused
             reason = "signal" if control.signal else "deadline" if control.deadline else None
             if reason == "signal":
                 reason = self.signals.received or "signal on another rank"
             interval = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0
             if reason or interval or control.save_due:
+                paused = time.perf_counter()
                 self.save_checkpoint()
-                window_start = time.perf_counter()
+                window_start += time.perf_counter() - paused
             if reason:
                 state.stop_requested = reason
                 return

@@ -1,0 +1,76 @@
+"""Which checkpoint a run resumes from: decided on rank 0, broadcast, and checked on every rank.
+
+Why: when every rank read ``checkpoints/latest`` on its own, ranks on nodes without a shared filesystem
+(or with a stale NFS view) could pick different checkpoints, or none, and the job hung in the first
+collective that disagreed. Here rank 0 alone reads ``latest`` (or takes ``train.resume=<path>``), every
+rank receives rank 0's answer, and every rank checks that it can see that checkpoint. If one cannot, all
+ranks stop with a CheckpointError naming the path and the ranks; no rank loads anything and none waits.
+
+The path travels as UTF-8 bytes in a tensor (no pickling between ranks). A relative path is resolved by
+each rank against its own working directory, as the run directory is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError
+from .names import MANIFEST, STATE
+
+
+def broadcast_text(text: str | None) -> str | None:
+    """Rank 0's ``text`` (or None) on every rank."""
+    data = b"" if text is None else text.encode()
+    header = torch.tensor([len(data), 0 if text is None else 1], dtype=torch.long)
+    dist.broadcast(header, src=0)
+    if not header[1]:
+        return None
+    buffer = torch.zeros(int(header[0]), dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.tolist()).decode()
+
+
+def what_is_missing(step_dir: Path) -> str | None:
+    """Why this rank cannot use ``step_dir`` (None when it can)."""
+    if not step_dir.is_dir():
+        return "the directory does not exist here"
+    for name in (MANIFEST, STATE):
+        if not (step_dir / name).is_file():
+            return f"it has no {name} here"
+    return None
+
+
+def agree_on_checkpoint(choice: str, latest) -> Path | None:
+    """Collective. ``choice``: ``train.resume`` (auto or a path; never is handled by the caller);
+    ``latest``: a function giving this run dir's latest checkpoint, called on rank 0 only."""
+    rank = dist.get_rank()
+    mine = None
+    if rank == 0:
+        mine = latest() if choice == "auto" else Path(choice)
+    chosen = broadcast_text(None if mine is None else str(mine))
+    if chosen is None:
+        return None
+    path = Path(chosen)
+    problem = what_is_missing(path)
+    flags = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([0 if problem is None else 1]))
+    blind = [r for r, f in enumerate(flags) if f.item()]
+    if not blind:
+        return path
+    source = "rank 0's checkpoints/latest" if choice == "auto" else f"train.resume={choice}"
+    if problem is not None:
+        raise CheckpointError(
+            f"rank {rank} cannot see checkpoint {path} ({problem}; resolved from {Path.cwd()}), which "
+            f"{source} names. Every rank must see the same checkpoint: put run.dir on a filesystem shared "
+            "by all nodes, or copy the checkpoint to the same path on every node"
+        )
+    raise CheckpointError(
+        f"rank(s) {blind} cannot see checkpoint {path}, which {source} names; no rank loaded anything. "
+        "Every rank must see the same checkpoint: put run.dir on a filesystem shared by all nodes, or copy "
+        "the checkpoint to the same path on every node"
+    )

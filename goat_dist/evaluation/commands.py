@@ -1,0 +1,140 @@
+"""``goat-dist eval ppl|passkey`` and ``goat-dist study``: the command line over ``evaluation``.
+
+Both eval commands run as one process or under torchrun (``--tp``, default: the whole world, so
+``torchrun --nproc_per_node=N -m goat_dist eval ...`` evaluates with TP = N). Rank 0 writes
+``<out>/ppl.json`` + ``ppl.png`` or ``<out>/passkey.json`` + ``passkey.png``; ``<out>`` defaults to
+``<run_dir>/eval`` (or ``<checkpoint>/eval`` for an export directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..config import ATTENTION_BACKENDS, PRECISIONS
+from . import EvalError
+
+DEFAULT_DEPTHS = "0.1,0.3,0.5,0.7,0.9"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"depths must lie in [0, 1], got {text!r}")
+    return values
+
+
+def _run(args, body) -> int:
+    """Set up, run ``body(session)`` -> printed lines (rank 0), tear down; exit 2 on a user error."""
+    from ..checkpoint import CheckpointError
+    from ..distributed import exit_process
+
+    code = 0
+    try:
+        from .session import Session
+
+        session = Session(args.checkpoint, args.tp, args.backend, args.precision)
+        lines = body(session)
+        if session.layout.is_main:
+            print("\n".join(lines))
+    except (ValueError, CheckpointError, FileNotFoundError, KeyError) as e:  # EvalError, LayoutError too
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"goat-dist eval {args.eval}: {e}", file=sys.stderr)
+        code = 2
+    exit_process(code)
+    return code
+
+
+def cmd_ppl(args) -> int:
+    def body(session) -> list[str]:
+        from .reports import ppl_report, write_ppl
+
+        report = ppl_report(session, args.data, args.split, args.lengths, args.tokens, args.batch_tokens)
+        lines = [
+            f"{r['length']:>7} tokens | {r['windows']:>5} windows | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}"
+            for r in report["results"]
+        ]
+        if session.layout.is_main:
+            lines += [f"wrote {p}" for p in write_ppl(report, session.out_dir(args.out))]
+        return lines
+
+    return _run(args, body)
+
+
+def cmd_passkey(args) -> int:
+    def body(session) -> list[str]:
+        from .reports import passkey_report, write_passkey
+
+        report = passkey_report(
+            session, args.lengths, args.depths, args.samples, args.seed, args.batch_tokens
+        )
+        lines = [
+            f"length {n:>7}: " + " ".join(f"{a:.2f}" for a in row)
+            for n, row in zip(args.lengths, report["accuracy"])
+        ]
+        if not report["trained_on_passkey"]:
+            lines.append("note: this checkpoint was not trained with data.synthetic=passkey")
+        if session.layout.is_main:
+            lines += [f"wrote {p}" for p in write_passkey(report, session.out_dir(args.out))]
+        return lines
+
+    return _run(args, body)
+
+
+def cmd_study(args) -> int:
+    from .study import StudyError, run_study
+
+    try:
+        return run_study(args.config, force=args.force)
+    except (StudyError, EvalError) as e:
+        print(f"goat-dist study: {e}", file=sys.stderr)
+        return 2
+
+
+def _common(p) -> None:
+    p.add_argument(
+        "--checkpoint", required=True, help="a run dir, checkpoints/ dir, step_* dir or export dir"
+    )
+    p.add_argument("--lengths", type=_ints, required=True, help="comma-separated evaluation lengths")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    p.add_argument(
+        "--backend", choices=ATTENTION_BACKENDS, default=None, help="override the attention kernel"
+    )
+    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward pass (>= one window)")
+    p.add_argument("--out", default=None, help="output directory (default: <run_dir>/eval)")
+
+
+def register(sub) -> None:
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: perplexity vs length, passkey retrieval")
+    tasks = ev.add_subparsers(dest="eval", required=True)
+    p = tasks.add_parser("ppl", help="perplexity at each length, non-overlapping fresh windows; JSON + PNG")
+    _common(p)
+    p.add_argument("--data", default="builtin", help="a `goat-dist data prepare` directory, or builtin")
+    p.add_argument("--split", default="val")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens of the stream read at every length")
+    p.set_defaults(func=cmd_ppl)
+    p = tasks.add_parser("passkey", help="passkey retrieval accuracy over length x depth; JSON + PNG heatmap")
+    _common(p)
+    p.add_argument("--depths", type=_floats, default=_floats(DEFAULT_DEPTHS), help="key depths in [0, 1]")
+    p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_passkey)
+    p = sub.add_parser("study", help="train and evaluate the position schemes of a study config")
+    p.add_argument("config", help="e.g. configs/study/extrapolation.yaml")
+    p.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    p.set_defaults(func=cmd_study)

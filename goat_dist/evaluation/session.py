@@ -1,0 +1,81 @@
+"""One evaluation's setup: process groups for the checkpoint's layout, the model on its device, the
+autocast context, and where its data and outputs are. Shared by ``goat-dist eval`` and ``goat-dist study``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class Session:
+    """Process groups, the loaded model on its device and the autocast context of one evaluation."""
+
+    def __init__(self, checkpoint: str, tp: int | None, backend: str | None, precision: str):
+        import contextlib
+
+        import torch
+
+        from .. import distributed
+        from ..observe.peak import training_dtype
+        from .checkpoint import build_model, read_checkpoint
+
+        cfg, read = read_checkpoint(checkpoint, backend)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        tp = tp or world
+        distributed.check_layout(
+            world, tp, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.seq_len, False
+        )
+        self.layout = distributed.init(tp=tp)
+        self.loaded = build_model(cfg, read)
+        self.model = self.loaded.model.to(self.layout.device)
+        self.device = self.layout.device
+        bf16 = training_dtype(precision, self.device) == "bf16"
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
+            if bf16
+            else contextlib.nullcontext
+        )
+        torch.set_grad_enabled(False)
+
+    def describe(self) -> dict:
+        from ..observe.flops import non_embedding_params
+
+        cfg, loaded = self.loaded.cfg, self.loaded
+        return {
+            "checkpoint": str(loaded.source),
+            "step": loaded.step,
+            "position": cfg.position,
+            "train_seq_len": cfg.seq_len,
+            "head_dim": cfg.hidden_size // cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "non_embedding_params": non_embedding_params(cfg),
+            "attention_backend": self.model.blocks[0].attn.backend,
+            "tp": self.layout.tp,
+            "dp": self.layout.dp,
+        }
+
+    def out_dir(self, requested: str | None) -> Path:
+        if requested:
+            return Path(requested)
+        base = self.loaded.run_dir or self.loaded.source
+        return Path(base) / "eval"
+
+
+def builtin_data(loaded, is_main: bool) -> str:
+    """The builtin corpus the run trained on (its config's cache dir, vocabulary and size)."""
+    import torch.distributed as dist
+
+    from ..config import DataConfig
+    from ..data import prepare_builtin_dataset
+
+    data = (loaded.run_config or {}).get("data") or {}
+    defaults = DataConfig()
+    kwargs = dict(
+        vocab_size=loaded.cfg.vocab_size, max_bytes=data.get("builtin_max_bytes", defaults.builtin_max_bytes)
+    )
+    cache = Path(data.get("cache_dir", defaults.cache_dir)).expanduser()
+    if is_main:
+        prepare_builtin_dataset(cache, **kwargs)
+    dist.barrier()
+    return str(prepare_builtin_dataset(cache, log=lambda *a: None, **kwargs))

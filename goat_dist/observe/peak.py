@@ -1,0 +1,102 @@
+"""Peak FLOP/s of one device, the denominator of MFU.
+
+Why a table: a GPU's peak is a datasheet number, not something a short probe reaches. Known accelerators
+are looked up by the name CUDA reports; ``log.peak_tflops`` overrides everything (other GPUs, clocks,
+TF32). On a CPU there is no datasheet number worth using: the peak is *measured* once with a matmul probe
+in the training dtype at the process's thread count and cached in ``<data.cache_dir>/peak_flops.json``,
+so CPU MFU reads as "fraction of what this machine's matmul reaches". On a CPU shared with other jobs
+the probe measures what it got at that moment: an MFU above 1 means the cached peak was measured under
+load; delete the cache file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..atomic import atomic_write_text
+
+# Dense (no structured sparsity) peak FLOP/s per GPU, NVIDIA datasheets (SXM parts unless named). fp32 is
+# the non-tensor-core rate: torch does not use TF32 for fp32 matmuls unless told to.
+# Matched in order as substrings of torch.cuda.get_device_name() (e.g. "NVIDIA H100 80GB HBM3").
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989.4e12, "fp32": 66.9e12}),
+    ("H200", {"bf16": 989.4e12, "fp32": 66.9e12}),
+    ("B200", {"bf16": 2250e12, "fp32": 75e12}),
+]
+
+
+def training_dtype(precision: str, device: torch.device) -> str:
+    """``bf16`` or ``fp32``: what the matmuls of a run with ``train.precision`` use on ``device``."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def table_peak(device_name: str, dtype: str) -> float | None:
+    for key, peaks in PEAK_FLOPS:
+        if key.lower() in device_name.lower():
+            return peaks[dtype]
+    return None
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0) -> float:
+    """Best observed FLOP/s of an ``n x n`` matmul on the CPU (best of several timed batches)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool, packing buffers
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        elapsed = time.perf_counter() - t0
+        best = max(best, 4 * 2 * n**3 / elapsed)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak(dtype: str, cache_dir: str | Path) -> float:
+    """The CPU probe's FLOP/s, from the cache when this machine, thread count and dtype were measured."""
+    cache = Path(cache_dir).expanduser() / "peak_flops.json"
+    key = f"{_cpu_name()} | threads={torch.get_num_threads()} | {dtype} | torch {torch.__version__}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure_matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cache, json.dumps(known, indent=1))
+        except OSError:
+            pass  # a read-only cache only costs a probe per run
+    return float(known[key])
+
+
+def peak_flops(device: torch.device, dtype: str, override_tflops: float, cache_dir: str | Path):
+    """(FLOP/s or None, where it came from). None: an unknown GPU without ``log.peak_tflops``."""
+    if override_tflops:
+        return override_tflops * 1e12, "log.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak(name, dtype)
+        return peak, (f"table: {name} {dtype}" if peak else f"unknown device {name!r}; set log.peak_tflops")
+    cache = Path(cache_dir).expanduser() / "peak_flops.json"
+    source = f"measured: CPU matmul probe, {dtype}, {torch.get_num_threads()} threads, cached in {cache}"
+    return cpu_peak(dtype, cache_dir), source

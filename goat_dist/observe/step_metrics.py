@@ -1,0 +1,111 @@
+"""What the trainer logs at log intervals besides loss, lr and grad norm, and the one collective it costs.
+
+Why one place: these values need a reduction over ranks (the parameter norm under TP/ZeRO, every rank's
+memory); gathering them together costs one small all-gather per *log* step, never one per training step,
+so the hot loop keeps its single control collective.
+
+* ``params_norm``: the L2 norm of all weights, as the model uses them (bf16 weights under bf16 training),
+  exact under TP and every ZeRO stage: each rank contributes the squared sum of what it holds divided by
+  the number of ranks holding the same values (DP replicas; TP replicas of replicated parameters; under
+  ZeRO-3 a rank holds a distinct flat partition, counted once per TP replica).
+* ``tflops_per_device`` / ``mfu``: ``tokens_per_s * flops_per_token / world`` against the device peak
+  (``observe.flops``, ``observe.peak``); ``mfu`` is absent when the peak is unknown.
+* memory per rank (lists indexed by global rank): allocated and peak bytes of the device allocator on CUDA;
+  on a CPU the device *is* the host, so allocated = resident set and peak = peak resident set; and every
+  rank's host RSS.
+* ``epoch``: passes over the data of the current stream, for the source seen most often (weights / windows
+  per epoch); 0 for a generated (synthetic) source, which never repeats.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from .flops import flops_per_token
+from .peak import peak_flops, training_dtype
+
+GIB = 2**30
+
+
+def param_sumsq_share(model: torch.nn.Module, tp: int, dp: int, dp_rank: int) -> float:
+    """This rank's share of the global sum of squared weights (sum over all ranks = the global sum)."""
+    total = None  # accumulated where the weights live: one device-to-host copy at the end
+    for p in model.parameters():
+        split_over_tp = bool(getattr(p, "tensor_model_parallel", False))
+        if hasattr(p, "ds_tensor"):  # ZeRO-3: a flat partition per DP rank, zero padding past ds_numel
+            part = p.ds_tensor.reshape(-1)
+            first = part.numel() * dp_rank
+            values = part[: max(0, min(part.numel(), p.ds_numel - first))]
+            replicas = 1 if split_over_tp else tp
+        else:
+            values = p.detach()
+            replicas = dp * (1 if split_over_tp else tp)
+        share = values.double().pow(2).sum() / replicas
+        total = share if total is None else total + share.to(total.device)
+    return 0.0 if total is None else float(total)
+
+
+def memory_bytes(device: torch.device) -> tuple[float, float, float]:
+    """(allocated, peak, host RSS) in bytes for this rank's device."""
+    rss = float(psutil.Process().memory_info().rss)
+    if device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device)), float(torch.cuda.max_memory_allocated(device)), rss
+    peak_rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    return rss, max(peak_rss, rss), rss
+
+
+@functools.cache
+def _peak(device: torch.device, dtype: str, override: float, cache_dir: str):
+    return peak_flops(device, dtype, override, cache_dir)
+
+
+def device_peak(cfg, device: torch.device) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device for this run (probed at most once per process on a CPU)."""
+    dtype = training_dtype(cfg.train.precision, device)
+    return _peak(device, dtype, float(cfg.log.peak_tflops), str(cfg.data.cache_dir))
+
+
+class StepMetrics:
+    """Built once per training loop; ``collect`` is called on every rank at the same log steps."""
+
+    def __init__(self, cfg, model: torch.nn.Module, layout, dataset):
+        self.cfg, self.model, self.layout = cfg, model, layout
+        self.flops_per_token = flops_per_token(cfg.model)["total"]
+        self.peak = device_peak(cfg, layout.device)[0] if layout.is_main else None
+        sources = getattr(dataset, "sources", None) or []
+        windows = getattr(dataset, "windows_per_epoch", None)
+        self.epoch_sizes = []  # (weight share, windows per epoch) per source
+        if windows:
+            total = sum(s.weight for s in sources)
+            self.epoch_sizes = [(s.weight / total, w) for s, w in zip(sources, windows)]
+
+    def epoch(self, samples: int) -> float:
+        return max((samples * share / windows for share, windows in self.epoch_sizes), default=0.0)
+
+    def collect(self, state, step_time_s: float, tokens_per_s: float) -> dict:
+        """Collective over the world (one all-gather of four numbers per rank)."""
+        lay = self.layout
+        own = [param_sumsq_share(self.model, lay.tp, lay.dp, lay.dp_rank), *memory_bytes(lay.device)]
+        gathered = [torch.zeros(4, dtype=torch.float64) for _ in range(lay.world)]
+        # host tensors: on CUDA the default group is cpu:gloo,cuda:nccl (distributed.backend_for)
+        dist.all_gather(gathered, torch.tensor(own, dtype=torch.float64))
+        rows = torch.stack(gathered)
+        tflops = tokens_per_s * self.flops_per_token / lay.world / 1e12
+        out = {
+            "params_norm": float(rows[:, 0].sum().sqrt()),
+            "step_time_s": step_time_s,
+            "tflops_per_device": tflops,
+            "mem_allocated_gib": [round(float(v) / GIB, 4) for v in rows[:, 1]],
+            "mem_peak_gib": [round(float(v) / GIB, 4) for v in rows[:, 2]],
+            "host_rss_gib": [round(float(v) / GIB, 4) for v in rows[:, 3]],
+            "consumed_tokens": state.consumed_tokens,
+            "epoch": self.epoch(state.consumed_samples - state.stream_start),
+        }
+        if self.peak:
+            out["mfu"] = tflops * 1e12 / self.peak
+        return out

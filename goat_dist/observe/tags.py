@@ -1,0 +1,56 @@
+"""metrics.jsonl key -> TensorBoard tag, defined once: the TensorBoard logger writes through this table
+and the README's tag table is this table, so the two files can never disagree on what a value is.
+
+A tag with ``{i}`` belongs to a list-valued key: one tag per element (per rank for memory, per layer
+for the attention diagnostics). Keys not listed here (``data_fingerprint``) stay in metrics.jsonl only.
+"""
+
+from __future__ import annotations
+
+# written at every log step (log.interval, the first and the last step)
+TRAIN_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "params_norm": "train/params_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "mem_allocated_gib": "mem/rank_{i}/allocated_gib",
+    "mem_peak_gib": "mem/rank_{i}/peak_gib",
+    "host_rss_gib": "mem/rank_{i}/host_rss_gib",
+    "consumed_tokens": "data/tokens_seen",
+    "epoch": "data/epoch",
+    "data_skipped": "data/skipped_samples",
+    "nonfinite_skipped": "data/nonfinite_skipped_steps",
+}
+
+# written at every evaluation (train.eval_interval and the last step)
+EVAL_TAGS = {
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
+    "attn_sink_mass": "attn/layer_{i}/sink_mass",
+    "attn_entropy": "attn/layer_{i}/entropy",
+    "attn_local_mass": "attn/layer_{i}/local_mass",
+}
+
+# written every log.prior_interval steps (GOAT runs)
+PRIOR_TAGS = {"prior_s": "perf/prior_s"}
+
+
+def scalars(metrics: dict, table: dict[str, str]) -> list[tuple[str, float]]:
+    """(tag, value) pairs for the numeric values of ``metrics`` that ``table`` names; lists expand."""
+    out = []
+    for key, tag in table.items():
+        value = metrics.get(key)
+        if isinstance(value, (list, tuple)):
+            out += [(tag.format(i=i), float(v)) for i, v in enumerate(value) if _number(v)]
+        elif _number(value):
+            out.append((tag, float(value)))
+    return out
+
+
+def _number(value) -> bool:
+    """Numbers, NaN included (a NaN loss is news); not booleans."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
