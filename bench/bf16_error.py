@@ -5,8 +5,8 @@ abs_rank=4))`` (seeded init); the plain side is causal softmax attention using t
 q/k/v and output projections (head dim 64, scale 1/8). Each runs once in float64 and once in the low
 dtype, on the same input, causal from position ``offset``; the figures are the max (and mean) |output
 difference|. The GOAT run goes through its lanes (the ``sdpa`` backend: torch's kernel takes bf16/fp16
-inputs and accumulates in fp32, as flash-attn does; ``--backend flash`` runs the CPU stand-in of flash-attn from
-tests/flash_standin.py instead). ``ratio`` is GOAT's max error over plain attention's.
+inputs and accumulates in fp32, as flash-attn does; ``--backend flash`` runs the CPU stand-in of
+flash-attn from tests/flash_standin.py instead). ``ratio`` is GOAT's max error over plain attention's.
 
     python bench/bf16_error.py [--lengths 256 1024 4096 16384] [--offsets 0 1000000] [--dtypes bf16 fp16]
 
