@@ -172,6 +172,21 @@ def test_lanes_ignore_bf16_autocast():
     assert all(torch.equal(a, b) for a, b in zip(plain, cast))
 
 
+def test_lanes_with_bf16_parameters_compute_in_fp32():
+    """ZeRO-3 + bf16 replaces the prior's parameters by bf16 ones (bypassing ``_apply``): the lanes
+    must still form, in fp32, equal to an fp32 prior holding the same (rounded) values."""
+    prior = perturbed_prior(heads=2)
+    for p in prior.parameters():
+        p.data = p.data.bfloat16().float()
+    rounded = [p.data.clone() for p in prior.parameters()]
+    pos = (torch.arange(512) + 3000)[None]
+    expected = prior.lanes(pos, causal=True, scale=0.125, dtype=torch.bfloat16)
+    for p, value in zip(prior.parameters(), rounded):
+        p.data = value.bfloat16()  # what DeepSpeed's cast does: .data replaced, module hooks bypassed
+    got = prior.lanes(pos, causal=True, scale=0.125, dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
 def test_config_counts_the_same_lanes():
     assert (
         prior_lane_count(4, True) == 11 and prior_lane_count(4, False) == 8 and prior_lane_count(0, True) == 3

@@ -81,7 +81,7 @@ def fourier_features(
 
 
 class SinkMLP(nn.Module):
-    """Tiny MLP over absolute-position features; the shared sink/recency lane u(j)."""
+    """Tiny MLP over absolute-position features: the sink part of u(j), shared by the heads."""
 
     def __init__(self, in_dim: int, hidden: int = 4):
         super().__init__()
@@ -89,7 +89,9 @@ class SinkMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
+        """In ``x``'s dtype (fp32 features) whatever the parameters': ZeRO-3 + bf16 keeps them bf16."""
+        h = F.silu(F.linear(x, self.fc1.weight.to(x.dtype), self.fc1.bias.to(x.dtype)))
+        return F.linear(h, self.fc2.weight.to(x.dtype), self.fc2.bias.to(x.dtype)).squeeze(-1)
 
 
 class GoatPrior(nn.Module):
@@ -181,7 +183,8 @@ class GoatPrior(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """fp32, or fp64 for a module cast to float64: lanes and log-prior are formed in this dtype."""
+        """fp32, or fp64 for a module cast to float64: lanes and log-prior are formed in this dtype, from
+        parameters upcast to it (ZeRO-3 + bf16 hands the prior bf16 parameters, see SinkMLP)."""
         return self.rel_freqs.dtype if self.rel_freqs.dtype == torch.float64 else torch.float32
 
     # ---- per-key value u(j) ------------------------------------------------------------------------
@@ -208,13 +211,16 @@ class GoatPrior(nn.Module):
             position_ids.device.type, enabled=False
         ):  # the MLP stays fp32 under bf16 autocast
             mlp = self.sink_mlp(feats)
-        u = self.sink_gain * mlp[..., None] + self.sink_bump * (position_ids == 0)[..., None]
+        gain, bump, slope_raw = (
+            p.to(dtype) for p in (self.sink_gain, self.sink_bump, self.recency_slope_raw)
+        )
+        u = gain * mlp[..., None] + bump * (position_ids == 0)[..., None]
         if causal:
             # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measured from the middle
             # of the sequence's positions it stays small (|.| <= slope * L / 2) at any absolute offset.
             # Integer origin keeps (t - origin) exact.
             origin = sequence_origin(position_ids) if origin is None else origin
-            u = u + F.softplus(self.recency_slope_raw) * (position_ids - origin).to(dtype)[..., None]
+            u = u + F.softplus(slope_raw) * (position_ids - origin).to(dtype)[..., None]
         return u
 
     # ---- folded form -------------------------------------------------------------------------------
@@ -266,8 +272,8 @@ class GoatPrior(nn.Module):
         if self.pos_rank > 0:
             delta = (position_ids[:, :, None] - position_ids[:, None, :]).double()  # (B, L, L)
             phases = delta[:, None, :, :, None] * self.rel_freqs.double()  # (B, 1, L, L, R)
-            a = self.lambda_sym[None, :, None, None, :]
-            b = self.lambda_asym[None, :, None, None, :]
+            a = self.lambda_sym.to(dtype)[None, :, None, None, :]
+            b = self.lambda_asym.to(dtype)[None, :, None, None, :]
             K = K + (a * torch.cos(phases).to(dtype) + b * torch.sin(phases).to(dtype)).sum(-1)
         if self.key_bias:
             K = K + self.sink(position_ids, causal, origin).permute(0, 2, 1)[:, :, None, :]
