@@ -45,6 +45,28 @@ def tiny(precision: str = "fp32") -> list[str]:
     return [f"train.precision={precision}" if o.startswith("train.precision=") else o for o in TINY]
 
 
+# a one-layer model for tests that build a Trainer in-process (the world1 fixture's single rank)
+IN_PROCESS = [
+    "model.num_layers=1",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.precision=fp32",
+    "train.eval_interval=0",
+    "log.tensorboard=false",
+    "data.builtin_max_bytes=1000000",
+]
+
+
+def in_process_config(cache: Path, run_dir: Path, *overrides: str):
+    """A validated Config of the IN_PROCESS model on the shared builtin cache; later overrides win."""
+    from goat_dist.config import load_config
+
+    return load_config(None, [*IN_PROCESS, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides])
+
+
 def goat_train_command(nproc: int, overrides: list[str], precision: str = "fp32") -> list[str]:
     return launch_command(nproc, ["-m", "goat_dist", "train", *tiny(precision), *overrides])
 
@@ -54,6 +76,7 @@ __all__ = [
     "ROOT",
     "TINY",
     "clean_env",
+    "in_process_config",
     "tiny",
     "goat_train_command",
     "launch_command",

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import in_process_config
 
 from goat_dist import distributed
 from goat_dist.trainer.control import FINGERPRINT_MOD, agree
@@ -61,27 +62,10 @@ def test_agree_folds_the_step_into_one_vector(world1):
 def test_one_control_collective_per_step(world1, builtin_cache, tmp_path, monkeypatch):
     """The hot loop makes one blocking collective of its own per step (DeepSpeed's gradient traffic
     aside): loss, fingerprint, skip count, non-finite flags and the stop/save decisions travel together."""
-    from goat_dist.config import load_config
     from goat_dist.trainer import Trainer
 
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "train.global_batch_size=4",
-            "train.micro_batch_size=2",
-            "train.precision=fp32",
-            "train.eval_interval=0",
-            "log.tensorboard=false",
-            "checkpoint.interval_minutes=60",
-            "train.time_limit_minutes=600",
-            f"data.cache_dir={builtin_cache}",
-            "data.builtin_max_bytes=1000000",
-            f"run.dir={tmp_path}",
-        ],
+    cfg = in_process_config(
+        builtin_cache, tmp_path, "checkpoint.interval_minutes=60", "train.time_limit_minutes=600"
     )
     trainer = Trainer(cfg, callbacks=[])
     it = trainer.start_loop()

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from multiproc import goat_train_command, per_step, records, run
+from multiproc import goat_train_command, in_process_config, per_step, records, run
 
 from goat_dist.checkpoint.manager import write_manifest
 
@@ -103,27 +103,14 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
     gradients are cleared, and the next step trains normally."""
     import torch
 
-    from goat_dist.config import load_config
     from goat_dist.trainer import Trainer
 
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "train.global_batch_size=4",
-            "train.micro_batch_size=2",
-            f"train.precision={precision}",
-            f"parallel.zero_stage={stage}",
-            "train.on_nonfinite=skip",
-            "train.eval_interval=0",
-            "log.tensorboard=false",
-            f"data.cache_dir={builtin_cache}",
-            "data.builtin_max_bytes=1000000",
-            f"run.dir={tmp_path}",
-        ],
+    cfg = in_process_config(
+        builtin_cache,
+        tmp_path,
+        f"train.precision={precision}",
+        f"parallel.zero_stage={stage}",
+        "train.on_nonfinite=skip",
     )
     trainer = Trainer(cfg, callbacks=[])
     it = trainer.start_loop()
