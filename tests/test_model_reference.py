@@ -97,3 +97,15 @@ def test_padded_vocab_gets_no_probability(world1):
     probs = logits.softmax(-1)
     assert probs[..., 300:].abs().max().item() == 0.0
     assert torch.allclose(probs[..., :300].sum(-1), torch.ones(1, 16))
+
+
+def test_per_head_prior_parameters_are_tagged_tensor_parallel(world1):
+    """Grad-norm clipping counts a parameter once per TP rank only if megatron's attributes say it is split:
+    the per-head prior parameters are (split with the heads), the shared sink MLP is not."""
+    cfg = ModelConfig(vocab_size=300, seq_len=16, num_layers=1, hidden_size=32, num_heads=2, position="goat")
+    prior = GPT(cfg).blocks[0].attn.prior
+    for name, p in prior.named_parameters():
+        split = not name.startswith("sink_mlp.")
+        assert getattr(p, "tensor_model_parallel", False) is split, name
+        if split:
+            assert (p.partition_dim, p.partition_stride) == (0, 1), name

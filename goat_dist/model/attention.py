@@ -19,13 +19,6 @@ from ..config import ModelConfig
 from .positions import alibi_bias, apply_rope, rope_cos_sin
 
 
-def mark_tensor_parallel(param: nn.Parameter, dim: int = 0) -> None:
-    """Tag a parameter split across TP ranks the way megatron-core does (grad-norm clipping reads it)."""
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    param.partition_stride = 1
-
-
 class ParallelSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
         super().__init__()
@@ -56,8 +49,8 @@ class ParallelSelfAttention(nn.Module):
             )
             self.content_dim = self.head_dim - self.prior.num_lanes
             for name, p in self.prior.named_parameters():
-                if not name.startswith("sink_mlp."):  # per-head: split with the heads
-                    mark_tensor_parallel(p)
+                if not name.startswith("sink_mlp."):  # per-head: split with the heads (clipping reads it)
+                    tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
         if cfg.position == "alibi":
             slopes = alibi_slopes(heads)[tp_rank * self.local_heads : (tp_rank + 1) * self.local_heads]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
