@@ -18,7 +18,7 @@ import yaml
 
 # The allowed values of every choice key, defined once (validation, the CLI and the kernels use these).
 POSITIONS = ("goat", "rope", "alibi", "none", "learned")
-ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "eager")
+ATTENTION_BACKENDS = ("auto", "flash4", "flash", "sdpa", "eager")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 PRIOR_INITS = ("seeded", "uniform")

@@ -108,6 +108,10 @@ class ParallelSelfAttention(nn.Module):
             cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if position == "alibi":
+            if self.backend == "flash4":  # FA4 has ALiBi only as a CuTe-DSL score_mod: not shipped
+                from ..attention.kernels import FLASH4_ALIBI_ERROR
+
+                raise ValueError(FLASH4_ALIBI_ERROR)
             if self.backend == "flash":  # flash-attn computes ALiBi itself, in fp32, from the slopes
                 slopes = self.alibi_slopes.to(device=q.device, dtype=torch.float32)
                 return flash_attention(

@@ -1,0 +1,425 @@
+"""The project's FlashAttention-4 (``flash4``) code paths, run on CPU through ``tests/flash4_standin.py``.
+
+First the stand-in itself is checked against attention written out explicitly in float64 (layouts,
+bottom-right causal alignment, q/k and v of different head dims, natural-log LSE, varlen packing,
+gradients) and against the kernel's documented rejections. Then the project: the head-dim plan per GPU
+generation, ``auto`` selection with faked device capabilities and import availability, GOAT (causal,
+GQA, several R/M, q/k wider than v) and the model (GOAT, RoPE, NoPE; dense and varlen document masking)
+through ``flash4`` with the stand-in in fp32 against ``sdpa`` to 1e-5, outputs and gradients, and the
+log-sum-exp against explicit float64 math. On a GPU the real kernel runs in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from flash4_standin import Flash4Standin, head_dims_supported, installed
+from flash_standin import FlashStandin
+from flash_standin import installed as installed_fa2
+from test_flash_paths import GOAT_CASES, assert_grads_close
+
+from goat_dist.attention import GoatPrior, GoatSelfAttention, kernels
+from goat_dist.attention.kernels import attend, document_segments, flash4_head_dims, resolve_backend
+from goat_dist.config import ModelConfig
+
+
+@pytest.fixture
+def fa4():
+    """The stand-in, fp32 allowed (exact comparisons), playing an H100/H200 (9.0), for one test."""
+    with installed(Flash4Standin(allow_fp32=True, arch=90)) as standin:
+        yield standin
+
+
+def explicit(q, k, v, scale, causal):
+    """Float64 attention for one sequence, q (Lq, H, D), k (Lk, H_kv, D), v (Lk, H_kv, Dv): out, lse."""
+    Lq, H, _ = q.shape
+    Lk, Hk, _ = k.shape
+    k, v = k.double().repeat_interleave(H // Hk, 1), v.double().repeat_interleave(H // Hk, 1)
+    logits = torch.einsum("ihd,jhd->hij", q.double(), k) * scale
+    if causal:  # bottom-right alignment: query i sees keys j <= i + Lk - Lq
+        i = torch.arange(Lq)[:, None] + (Lk - Lq)
+        logits = logits.masked_fill(torch.arange(Lk)[None, :] > i, -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]))  # a row that sees nothing -> zeros
+    return torch.einsum("hij,jhd->ihd", probs, v), lse
+
+
+# ---- the stand-in against explicit attention -----------------------------------------------------------
+@pytest.mark.parametrize("Lq,Lk", [(7, 7), (3, 6), (6, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_standin_func_matches_explicit(Lq, Lk, causal):
+    torch.manual_seed(0)
+    standin = Flash4Standin(allow_fp32=True)
+    B, H, Hk, D, Dv = 2, 4, 2, 16, 8  # FA4 takes a v head dim different from q/k's
+    q, k, v = torch.randn(B, Lq, H, D), torch.randn(B, Lk, Hk, D), torch.randn(B, Lk, Hk, Dv)
+    out, lse = standin.flash_attn_func(q, k, v, softmax_scale=0.3, causal=causal, return_lse=True)
+    assert out.shape == (B, Lq, H, Dv) and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
+    for b in range(B):
+        ref_out, ref_lse = explicit(q[b], k[b], v[b], 0.3, causal)
+        assert (out[b].double() - ref_out).abs().max() <= 1e-5
+        seen = torch.isfinite(ref_lse)
+        assert (lse[b][seen].double() - ref_lse[seen]).abs().max() <= 1e-5
+        assert (lse[b][~seen] == -math.inf).all() and not out[b][(~seen).all(0)].any()  # FA4: -inf
+    assert standin.flash_attn_func(q, k, v, causal=causal)[1] is None  # no lse unless asked or training
+    default, _ = standin.flash_attn_func(q, k, v, causal=causal)  # default scale 1/sqrt(D)
+    assert (default[0].double() - explicit(q[0], k[0], v[0], D**-0.5, causal)[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_standin_varlen_matches_explicit(causal):
+    torch.manual_seed(0)
+    standin = Flash4Standin(allow_fp32=True)
+    H, Hk, D = 4, 1, 8
+    len_q, len_k = [3, 6, 1], [5, 6, 4]
+    q = torch.randn(sum(len_q), H, D)
+    k, v = torch.randn(sum(len_k), Hk, D), torch.randn(sum(len_k), Hk, 16)
+    cu_q = torch.tensor([0, 3, 9, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11, 15], dtype=torch.int32)
+    out, lse = standin.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=6, causal=causal,
+        return_lse=True,
+    )  # fmt: skip
+    assert out.shape == (10, H, 16) and lse.shape == (H, 10)
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref_out, ref_lse = explicit(q[sq], k[sk], v[sk], D**-0.5, causal)
+        assert (out[sq].double() - ref_out).abs().max() <= 1e-5
+        assert (lse[:, sq].double() - ref_lse).abs().max() <= 1e-5
+
+
+def test_standin_gradients_of_out_and_lse_match_explicit():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 1, 8), torch.randn(1, 9, 1, 16)
+    go, gl = torch.randn(1, 9, 2, 16), torch.randn(1, 2, 9)
+    grads = []
+    for run in ("standin", "explicit"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if run == "standin":
+            out, lse = Flash4Standin(allow_fp32=True).flash_attn_func(*leaves, causal=True)  # lse: training
+        else:
+            out, lse = explicit(*(t[0] for t in leaves), 8**-0.5, True)
+            out, lse = out[None], lse[None]
+        ((out * go).sum() + (lse * gl).sum()).backward()
+        grads.append([t.grad.double() for t in leaves])
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_standin_low_precision_follows_the_kernel_contract():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 2, 32) for _ in range(3))
+    exact, _ = Flash4Standin(allow_fp32=True).flash_attn_func(q, k, v, causal=True)
+    low, _ = Flash4Standin().flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert low.dtype == torch.bfloat16
+    assert 0 < (low.float() - exact).abs().max() <= 3e-2
+
+
+def test_standin_rejects_what_the_kernel_rejects():
+    strict = Flash4Standin()
+    q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    sm100 = Flash4Standin(arch=100)
+
+    def bf16(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16)
+
+    cases = {
+        "fp32 without the switch": lambda: strict.flash_attn_func(q.float(), q.float(), q.float()),
+        "fp64 even with it": lambda: Flash4Standin(allow_fp32=True).flash_attn_func(
+            q.double(), q.double(), q.double()
+        ),
+        "mixed dtypes": lambda: strict.flash_attn_func(q, q.half(), q),
+        "H not a multiple of H_kv": lambda: strict.flash_attn_func(bf16(1, 8, 3, 16), q, q),
+        "head dim not a multiple of 8": lambda: strict.flash_attn_func(*(bf16(1, 4, 1, 20),) * 3),
+        "head dim 264 on SM90": lambda: strict.flash_attn_func(*(bf16(1, 4, 1, 264),) * 3),
+        "head dim 160 on SM100": lambda: sm100.flash_attn_func(*(bf16(1, 4, 1, 160),) * 3),
+        "v dim 256 with q/k 64 on SM100": lambda: sm100.flash_attn_func(
+            bf16(1, 4, 1, 64), bf16(1, 4, 1, 64), bf16(1, 4, 1, 256)
+        ),
+        "k head dim differs from q": lambda: strict.flash_attn_func(q, bf16(1, 8, 2, 24), q),
+        "int64 cu_seqlens": lambda: strict.flash_attn_varlen_func(
+            q[0], q[0], q[0], cu_seqlens_q=cu.long(), cu_seqlens_k=cu.long()
+        ),
+        "max_seqlen too small": lambda: strict.flash_attn_varlen_func(
+            q[0], q[0], q[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4
+        ),
+    }
+    for name, call in cases.items():
+        with pytest.raises(AssertionError):
+            call()
+            pytest.fail(f"accepted: {name}")
+    for name, call in {
+        "cu_seqlens given positionally (the 4th argument is qv)": lambda: strict.flash_attn_varlen_func(
+            q[0], q[0], q[0], cu, cu
+        ),
+        "softcap": lambda: strict.flash_attn_func(q, q, q, softcap=30.0),
+        "sliding window": lambda: strict.flash_attn_func(q, q, q, window_size=(64, 0)),
+    }.items():
+        with pytest.raises(NotImplementedError):
+            call()
+            pytest.fail(f"accepted: {name}")
+    assert head_dims_supported(256, 256, 100) and head_dims_supported(192, 128, 100)
+    assert head_dims_supported(64, 256, 90) and not head_dims_supported(64, 256, 100)
+
+
+def test_installed_standin_is_what_the_project_imports():
+    before = kernels._flash_attn_cute()
+    with installed(Flash4Standin()) as standin:
+        assert kernels._flash_attn_cute().flash_attn_func == standin.flash_attn_func
+        assert resolve_backend("flash4") == "flash4" and resolve_backend("auto") == "flash4"
+    assert kernels._flash_attn_cute() is before  # uninstalled: the real import (None on CPU machines)
+
+
+# ---- head dims per GPU generation --------------------------------------------------------------------------
+def test_flash4_head_dims_plan():
+    assert flash4_head_dims(64, 64, 9) == (64, 64)
+    assert flash4_head_dims(34, 32, 9) == (40, 32)  # padded to multiples of 8; v keeps its own width
+    assert flash4_head_dims(60, 60, None) == (64, 64)  # unknown GPU: only the alignment
+    assert flash4_head_dims(256, 248, 10) == (256, 256)  # 10.x takes 256 only with an equal v: pad v
+    assert flash4_head_dims(64, 256, 10) == (64, 128)  # v wider than 10.x takes: slices of 128
+    assert flash4_head_dims(200, 200, 9) == (200, 200)
+    with pytest.raises(
+        ValueError, match=r"10\.x .*head dim 160.*nearest supported head_dim is 128 \(or 256\)"
+    ):
+        flash4_head_dims(160, 160, 10)
+    with pytest.raises(ValueError, match=r"9\.x .*head dim 320.*nearest supported head_dim is 256"):
+        flash4_head_dims(320, 320, 9)
+
+
+# ---- auto selection with faked devices and imports ---------------------------------------------------------
+def fake_machine(monkeypatch, capability, fa4: bool, fa2: bool):
+    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(kernels, "_flash_attn_cute", lambda: object() if fa4 else None)
+    monkeypatch.setattr(kernels, "_flash_attn", lambda: object() if fa2 else None)
+
+
+AUTO_CASES = [
+    # capability, flash-attn-4 imports, flash-attn 2 imports, position, head_dim -> auto's choice
+    (None, True, True, None, None, "sdpa"),  # no CUDA
+    ((7, 5), True, True, None, None, "sdpa"),  # Turing: neither flash-attn generation
+    ((8, 0), True, True, None, None, "flash"),  # A100: FA4 has no backward on 8.x
+    ((8, 6), True, False, None, None, "sdpa"),
+    ((8, 9), False, True, None, None, "flash"),  # Ada
+    ((9, 0), True, True, None, None, "flash4"),  # H100 / H200
+    ((9, 0), False, True, None, None, "flash"),
+    ((9, 0), False, False, None, None, "sdpa"),
+    ((10, 0), True, False, None, None, "flash4"),  # B200
+    ((10, 3), True, True, "goat", 64, "flash4"),  # B300
+    ((12, 0), True, True, None, None, "flash4"),  # RTX PRO / RTX 50
+    ((13, 0), True, True, None, None, "flash"),  # a generation FA4 does not know
+    ((9, 0), True, True, "alibi", 64, "flash"),  # FA4 ships no ALiBi: FA2 computes it
+    ((9, 0), True, False, "alibi", 64, "sdpa"),
+    ((10, 0), True, True, "rope", 160, "flash"),  # head dim 160 is not a 10.x FA4 kernel
+    ((9, 0), True, False, "rope", 160, "flash4"),  # but is one on 9.x
+    ((9, 0), True, False, "rope", 320, "sdpa"),
+]
+
+
+@pytest.mark.parametrize("capability,fa4,fa2,position,head_dim,expected", AUTO_CASES)
+def test_auto_picks_the_fastest_kernel_that_imports_and_fits(
+    monkeypatch, capability, fa4, fa2, position, head_dim, expected
+):
+    fake_machine(monkeypatch, capability, fa4, fa2)
+    assert resolve_backend("auto", position=position, head_dim=head_dim) == expected
+    assert resolve_backend("sdpa") == "sdpa" and resolve_backend("eager") == "eager"
+
+
+@pytest.mark.parametrize(
+    "capability,fa4,kwargs,error,pattern",
+    [
+        (None, True, {}, RuntimeError, "flash4 was requested but CUDA is not available"),
+        ((8, 0), True, {}, RuntimeError, r"compute capability 8\.0 .*9\.x-12\.x.*attention_backend=flash"),
+        ((9, 0), False, {}, RuntimeError, r"flash_attn\.cute \(PyPI flash-attn-4\) does not import.*\[gpu\]"),
+        ((9, 0), True, {"position": "alibi"}, ValueError, "alibi does not run on .*flash4.*score_mod"),
+        ((10, 0), True, {"head_dim": 160}, ValueError, "nearest supported head_dim is 128"),
+    ],
+)  # fmt: skip
+def test_explicit_flash4_says_why_not(monkeypatch, capability, fa4, kwargs, error, pattern):
+    fake_machine(monkeypatch, capability, fa4, fa2=True)
+    with pytest.raises(error, match=pattern):
+        resolve_backend("flash4", **kwargs)
+
+
+def test_flash_still_means_flash_attn_2(monkeypatch):
+    fake_machine(monkeypatch, (9, 0), fa4=True, fa2=False)
+    with pytest.raises(RuntimeError, match=r"flash-attn does not import.*goat-dist\[flash2\]"):
+        resolve_backend("flash")
+    monkeypatch.undo()
+    with installed_fa2(FlashStandin()):
+        assert resolve_backend("flash") == "flash"
+
+
+# ---- GOAT through the flash4 path --------------------------------------------------------------------------
+@pytest.mark.parametrize("kv,R,M,key_bias,offset,content_dim", GOAT_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_goat_flash4_matches_sdpa(fa4, kv, R, M, key_bias, offset, content_dim, causal):
+    torch.manual_seed(0)
+    sdpa = GoatSelfAttention(
+        128, 4, kv, pos_rank=R, abs_rank=M, key_bias=key_bias, backend="sdpa", content_dim=content_dim
+    )
+    with torch.no_grad():  # prior terms of trained size, so a folding slip would show
+        for p in sdpa.prior.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    flash4 = copy.deepcopy(sdpa)
+    flash4.backend = "flash4"
+    x = torch.randn(2, 40, 128)
+    pos = torch.arange(40) + offset
+    xs, xf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ys, yf = sdpa(xs, pos, causal=causal), flash4(xf, pos, causal=causal)
+    assert fa4.calls == ["flash_attn_func"]
+    assert (ys - yf).abs().max().item() <= 1e-5
+    g = torch.randn_like(ys)
+    ys.backward(g)
+    yf.backward(g)
+    assert (xs.grad - xf.grad).abs().max().item() <= 1e-5
+    assert_grads_close(sdpa, flash4)
+
+
+def test_v_wider_than_the_kernel_takes_runs_in_slices():
+    """On 10.x FA4 takes v head dims up to 128 with q/k of 64: a 256-wide v (the attention diagnostics'
+    one-hot keys) goes in two calls and gives sdpa's result."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 24, 4, 60), torch.randn(2, 24, 2, 60)
+    v = torch.randn(2, 24, 2, 250, requires_grad=True)
+    segments = torch.tensor([[1] * 10 + [2] * 14, [1] * 24])
+    with installed(Flash4Standin(allow_fp32=True, arch=100)) as standin:
+        out = attend(q, k, v, causal=True, scale=0.125, backend="flash4", segments=segments)
+    ref = attend(q, k, v, causal=True, scale=0.125, backend="sdpa", segments=segments)
+    assert standin.calls == ["flash_attn_varlen_func"] * 2 and out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= 1e-5
+    (g,) = torch.autograd.grad(out.sum(), v)
+    (g_ref,) = torch.autograd.grad(ref.sum(), v)
+    assert (g - g_ref).abs().max().item() <= 1e-5
+
+
+# ---- the log-sum-exp (context parallelism merges partial results with it) ---------------------------------
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_goat_lse_matches_explicit_math(fa4, packed):
+    """flash4's (out, lse) for GOAT's folded q/k equal float64 math on the explicit log-prior, and their
+    gradients equal those of the eager backend (explicit fp32 logits), to 1e-5."""
+    torch.manual_seed(0)
+    B, L, H, Hk, d_c = 2, 32, 4, 2, 16
+    prior = GoatPrior(Hk, 3, 4)
+    with torch.no_grad():
+        for p in prior.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    if packed:
+        row = torch.cat([torch.arange(5, 17), torch.arange(0, 20)])
+        positions = torch.stack([row, torch.arange(L) + 300])
+    else:
+        positions = torch.stack([torch.arange(L), torch.arange(L) + 1000])
+    segments = document_segments(positions)
+    assert (segments is not None) == packed
+    qc, kc = torch.randn(B, L, H, d_c), torch.randn(B, L, Hk, d_c)
+    v = torch.randn(B, L, Hk, d_c + prior.num_lanes)
+    scale = d_c**-0.5
+    q_lanes, k_lanes = prior.lanes(positions, True, scale=scale)
+    q = torch.cat([qc, q_lanes.repeat_interleave(H // Hk, dim=2)], -1).detach()
+    k = torch.cat([kc, k_lanes], -1).detach()
+
+    # float64 on the explicit prior: logits = scale * q_c.k_c + K_ij, masked to the documents, causal
+    with torch.no_grad():
+        K = prior.log_prior(positions, True).double().repeat_interleave(H // Hk, dim=1)
+    logits = torch.einsum("bihd,bjhd->bhij", qc.double(), kc.double().repeat_interleave(H // Hk, 2))
+    logits = logits * scale + K
+    keep = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+    if packed:
+        keep = keep & (segments[:, None, :, None] == segments[:, None, None, :])
+    ref_lse = torch.logsumexp(logits.masked_fill(~keep, -math.inf), -1)
+    ref_out = torch.einsum("bhij,bjhd->bihd", torch.softmax(logits.masked_fill(~keep, -math.inf), -1),
+                           v.double().repeat_interleave(H // Hk, 2))  # fmt: skip
+
+    def folded64(q, k, v):  # float64 on the folded q/k the kernel gets: the gradients' reference
+        g = H // Hk
+        logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(g, 2)) * scale
+        logits = logits.masked_fill(~keep, -math.inf)
+        out = torch.einsum("bhij,bjhd->bihd", torch.softmax(logits, -1), v.repeat_interleave(g, 2))
+        return out, torch.logsumexp(logits, -1)
+
+    torch.manual_seed(1)
+    g_out, g_lse = torch.randn(B, L, H, v.shape[-1]), torch.randn(B, H, L)
+    results = {}
+    for backend in ("flash4", "float64"):
+        dtype = torch.float64 if backend == "float64" else torch.float32
+        leaves = [t.detach().to(dtype).clone().requires_grad_(True) for t in (q, k, v)]
+        if backend == "float64":
+            out, lse = folded64(*leaves)
+        else:
+            out, lse = attend(
+                *leaves, causal=True, scale=scale, backend=backend, segments=segments, return_lse=True
+            )
+        ((out * g_out.to(dtype)).sum() + (lse * g_lse.to(dtype)).sum()).backward()
+        results[backend] = (out, lse, [t.grad for t in leaves])
+    out, lse, grads = results["flash4"]
+    assert fa4.calls == ["flash_attn_varlen_func" if packed else "flash_attn_func"]
+    assert lse.shape == (B, H, L) and lse.dtype == torch.float32
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-5
+    assert (out.double() - ref_out).abs().max().item() <= 1e-5
+    assert (results["float64"][1] - ref_lse).abs().max().item() <= 1e-5  # lanes == explicit prior
+    for name, g, g_ref in zip("qkv", grads, results["float64"][2]):
+        # relative to the largest entry: the lanes carry values up to 256 (exact.py's query side)
+        err, size = (g.double() - g_ref).abs().max().item(), g_ref.abs().max().item()
+        assert err <= 1e-5 * size, f"d{name}: {err:.2e} vs max |grad| {size:.2e}"
+    eager_out, eager_lse = attend(
+        q, k, v, causal=True, scale=scale, backend="eager", segments=segments, return_lse=True
+    )
+    assert (eager_lse - lse).abs().max().item() <= 1e-5 and (eager_out - out).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="log-sum-exp comes from attention backends flash4 and eager"):
+        attend(q, k, v, causal=True, scale=scale, backend="sdpa", return_lse=True)
+
+
+# ---- the model: dense and varlen, GOAT / RoPE / NoPE; ALiBi's clear error --------------------------------
+def model_pair(position: str):
+    from goat_dist.model import GPT
+
+    cfg = ModelConfig(
+        vocab_size=300,
+        seq_len=64,
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        position=position,
+        attention_backend="sdpa",
+    )
+    torch.manual_seed(0)
+    sdpa, flash4 = GPT(cfg), GPT(cfg)  # (megatron layers hold process groups: no deepcopy)
+    flash4.load_state_dict(sdpa.state_dict())
+    for module in flash4.modules():
+        if hasattr(module, "backend"):
+            module.backend = "flash4"
+    return cfg, sdpa, flash4
+
+
+@pytest.mark.parametrize("position", ["goat", "rope", "none"])
+@pytest.mark.parametrize("packed", [True, False], ids=["varlen", "dense"])
+def test_model_flash4_matches_sdpa(world1, fa4, position, packed):
+    cfg, sdpa, flash4 = model_pair(position)
+    torch.manual_seed(0)
+    if packed:  # documents restart their positions: one continued from a previous window, two fresh
+        row = torch.cat([torch.arange(7, 22), torch.arange(0, 30), torch.arange(0, 19)])
+        positions = torch.stack([row, torch.arange(64)])
+    else:
+        positions = torch.stack([torch.arange(64), torch.arange(64) + 1000])
+    tokens = torch.randint(0, cfg.vocab_size, positions.shape)
+    logits = []
+    for model in (sdpa, flash4):
+        out = model(tokens, positions)[..., : cfg.vocab_size]
+        torch.manual_seed(1)
+        (out * torch.randn_like(out)).sum().backward()
+        logits.append(out.detach())
+    expected = "flash_attn_varlen_func" if packed else "flash_attn_func"
+    assert fa4.calls == [expected] * cfg.num_layers
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+    assert_grads_close(sdpa, flash4)
+
+
+def test_model_alibi_on_flash4_is_a_clear_error(world1, fa4):
+    _, _, flash4 = model_pair("alibi")
+    with pytest.raises(ValueError, match="position=alibi does not run on model.attention_backend=flash4"):
+        flash4(torch.randint(0, 300, (1, 16)), torch.arange(16)[None])
+    assert fa4.calls == []
