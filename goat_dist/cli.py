@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.commands import register as register_eval
 
     register_eval(sub)  # eval ppl | eval passkey | study
+    from .plan.commands import register as register_plan
+
+    register_plan(sub)
     return parser
 
 

@@ -1,0 +1,57 @@
+"""``goat-dist plan``: memory, largest micro-batch and throughput of a layout before any GPU hour is spent.
+
+goat-dist plan --config configs/models/goat_1.3b.yaml --nodes 1 --gpus-per-node 8 --gpu h100-80gb
+goat-dist plan --config configs/models/goat_6.7b.yaml --nodes 8 --materialize parallel.tp=8
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_plan(args) -> int:
+    from ..config import ConfigError, load_config
+    from .dry_run import DryRunError, materialize
+    from .hardware import gpu as find_gpu
+    from .planner import PlanError, format_plan, make_plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        device = find_gpu(args.gpu)
+        plan = make_plan(cfg, args.nodes, args.gpus_per_node, device)
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"goat-dist plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_plan(plan))
+    if args.materialize:
+        print()
+        try:
+            materialize(cfg, plan["layout"]["world"])
+        except (PlanError, DryRunError) as e:
+            print(f"goat-dist plan: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="per-GPU memory, largest micro-batch, step time and MFU of a layout (no GPU needed)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
+    p.add_argument("overrides", nargs="*", help="the same dotted overrides as `goat-dist train`")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu", default="h100-80gb", help="h100-80gb (default), h200, a100-80gb, a100-40gb, b200")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--materialize",
+        action="store_true",
+        help="also build every TP rank's real model and optimizer on the meta device in a fake world",
+    )
+    p.set_defaults(func=cmd_plan)

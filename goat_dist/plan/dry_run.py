@@ -1,0 +1,152 @@
+"""``goat-dist plan --materialize``: build the real model and optimizer of every rank of a large world on
+one CPU box, without allocating a weight.
+
+How: torch.distributed's ``fake`` backend (``torch.testing._internal.distributed.fake_pg``: collectives
+return at once) gives this process any rank of a world of any size; megatron-core's ``parallel_state``
+builds its TP/DP groups on it exactly as in a real run, and ``model.GPT`` is constructed under
+``torch.device("meta")`` (shapes and dtypes, no storage). Ranks of one TP rank hold the same shapes, so the
+model is built once per TP rank (as rank ``tp_rank`` of DP rank 0) and the ZeRO partitions of every DP
+rank follow DeepSpeed's partitioning (``plan.memory``). The optimizer is the trainer's own (``optim``'s
+parameter groups, torch AdamW), stepped once on meta gradients so that its state exists.
+
+Checked against the planner: every parameter's name and local shape (``plan.memory.param_inventory``),
+the per-rank count, and the Adam moments the optimizer really created.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import Config
+from ..distributed import LayoutError, check_layout
+from .hardware import GIB
+from .memory import _ceil_div, _cp, _flat_partition, param_inventory
+from .planner import PlanError, memory_at
+
+
+class DryRunError(RuntimeError):
+    """The built model differs from the planner's inventory (a planner bug): the message names it."""
+
+
+def _init_fake_world(rank: int, world: int, tp: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # megatron's extra gloo groups cannot be created on a fake world (and are not needed to build)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def build_rank(cfg: Config, rank: int, world: int):
+    """(model, optimizer) of global ``rank`` on the meta device; the optimizer's state created."""
+    from megatron.core import parallel_state
+
+    from ..model import GPT
+    from ..trainer.optim import build_optimizer
+
+    _init_fake_world(rank, world, cfg.parallel.tp)
+    try:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp = parallel_state.get_data_parallel_world_size()
+        with torch.device("meta"):
+            model = GPT(cfg.model, sequence_parallel=cfg.parallel.sp,
+                        activation_checkpointing=cfg.train.activation_checkpointing)  # fmt: skip
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        optimizer, _ = build_optimizer(model, cfg.train)
+        optimizer.step()  # creates exp_avg / exp_avg_sq (meta) and the step counters
+    finally:
+        _teardown()
+    return model, optimizer, {"rank": rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "dp": dp}
+
+
+def _check_against_inventory(cfg: Config, model) -> int:
+    expected = [(p.name, p.shape) for p in param_inventory(cfg.model, cfg.parallel.tp)]
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    if built != expected:
+        diff = [(e, b) for e, b in zip(expected, built) if e != b][:3]
+        raise DryRunError(f"the model's parameters differ from the planner's inventory: {diff} "
+                          f"({len(built)} built, {len(expected)} planned)")  # fmt: skip
+    return sum(p.numel() for p in model.parameters())
+
+
+def zero_shard(cfg: Config, model, optimizer, dp: int) -> dict:
+    """Elements this rank's ZeRO partition owns, from the built optimizer's groups (DeepSpeed's rules)."""
+    stage = cfg.parallel.zero_stage
+    groups = [sum(p.numel() for p in g["params"]) for g in optimizer.param_groups]
+    sizes = [p.numel() for p in model.parameters()]
+    if stage == 0:
+        owned = sum(sizes)
+    elif stage in (1, 2):
+        owned = sum(_flat_partition(n, dp) for n in groups)
+    else:
+        owned = sum(_ceil_div(n, dp) for n in sizes)
+    moments = sum(
+        t.numel() for state in optimizer.state.values() for k, t in state.items() if k.startswith("exp_avg")
+    )
+    return {
+        "owned": owned,
+        "adam_moments": moments,
+        "groups": [g.get("name") for g in optimizer.param_groups],
+    }
+
+
+def materialize(cfg: Config, world: int, log=print) -> dict:
+    """Build every TP rank's model and optimizer in a fake ``world``; print per-rank shards and memory."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise PlanError("--materialize needs a process without a torch.distributed world")
+    m, tp, cp = cfg.model, cfg.parallel.tp, _cp(cfg)
+    if cp != 1:
+        raise PlanError("--materialize builds TP x DP layouts; parallel.cp > 1 is not built yet")
+    try:
+        check_layout(world, tp, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len, cfg.parallel.sp)
+    except LayoutError as e:
+        raise PlanError(str(e)) from None
+    dp = world // tp
+    t0 = time.perf_counter()
+    by_tp: dict[int, dict] = {}
+    for tp_rank in range(tp):
+        model, optimizer, where = build_rank(cfg, tp_rank, world)  # DP rank 0 of each TP rank
+        count = _check_against_inventory(cfg, model)
+        shard = zero_shard(cfg, model, optimizer, dp)
+        if shard["adam_moments"] != 2 * count:
+            raise DryRunError(f"AdamW holds {shard['adam_moments']} moment elements for {count} parameters")
+        by_tp[tp_rank] = {"params": count, **shard, "dp": where["dp"]}
+        del model, optimizer
+    built_s = time.perf_counter() - t0
+    mem = memory_at(cfg, dp, cfg.train.micro_batch_size)
+    state = mem["state"]
+    log(f"dry run      {world} ranks = TP {tp} x DP {dp}, ZeRO-{cfg.parallel.zero_stage}, "
+        f"{cfg.train.precision}; model and AdamW built on the meta device under a fake process group "
+        f"({tp} TP ranks built in {built_s:.1f} s)")  # fmt: skip
+    log(f"parameters   {sum(v['params'] for v in by_tp.values()) * dp // dp:,} per DP replica "
+        f"(sum over TP ranks); optimizer groups: {', '.join(by_tp[0]['groups'])}")  # fmt: skip
+    log("rank   tp  dp   params/rank   zero-owned   state GiB  activations GiB  total GiB")
+    ranks = []
+    for rank in range(world):
+        tp_rank, dp_rank = rank % tp, rank // tp  # megatron: TP groups are consecutive ranks
+        info = by_tp[tp_rank]
+        row = {"rank": rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "params": info["params"],
+               "zero_owned": info["owned"], "state_bytes": state["total"],
+               "activation_bytes": mem["activations"]["total"], "total_bytes": mem["total"]}  # fmt: skip
+        ranks.append(row)
+        log(
+            f"{rank:4d} {tp_rank:4d} {dp_rank:3d} {info['params']:13,d} {info['owned']:12,d} "
+            f"{state['total'] / GIB:11.3f} {mem['activations']['total'] / GIB:16.3f} "
+            f"{mem['total'] / GIB:10.3f}"
+        )
+    return {"world": world, "tp": tp, "dp": dp, "build_seconds": built_s, "ranks": ranks}

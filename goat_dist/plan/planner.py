@@ -1,0 +1,263 @@
+"""``goat-dist plan``: does a layout fit, what micro-batch is the largest that fits, how fast will it run.
+
+``make_plan(cfg, nodes, gpus_per_node, gpu)`` returns a plain dict (printed by ``format_plan``, or as
+JSON); every number comes from ``plan.memory`` (bytes) and ``observe.flops`` (FLOPs) with the formulas
+of ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..config import Config
+from ..distributed import check_layout
+from ..observe.flops import flops_per_token
+from .hardware import GIB, GPU, LINK_EFFICIENCY
+from .memory import _cp, activation_bytes, param_inventory, state_bytes, total_params, transient_bytes
+
+# Memory a rank uses besides the model: CUDA context (~0.5 GiB), NCCL communicators and their buffers,
+# cuBLAS/flash workspaces. The caching allocator's fragmentation takes a share of the rest.
+RESERVED_BYTES = int(2.0 * GIB)
+FRAGMENTATION = 0.05
+TIGHT = 0.10  # a plan within 10 % of the budget is called tight
+# Fractions of the bf16 peak that large transformer kernels reach: dense GEMMs of h >= 2048 reach 70-80 %
+# of peak on A100/H100; flash-attention 2 forward+backward 50-70 % (Dao 2023).
+GEMM_EFFICIENCY = 0.7
+ATTENTION_EFFICIENCY = 0.5
+# Norms, SwiGLU, residual adds, the softmax of the loss: memory-bound. Their time is taken as moving the
+# saved activations ELEMENTWISE_TRAFFIC times through HBM (written forward, read and written backward).
+ELEMENTWISE_TRAFFIC = 3
+ADAM_BYTES_PER_ELEMENT = 36  # AdamW reads p, g, m, v (fp32) and writes p, m, v; DeepSpeed copies p back
+
+
+class PlanError(ValueError):
+    """The layout cannot run at all (sizes do not divide); the message names the numbers."""
+
+
+def _with(cfg: Config, **train) -> Config:
+    out = copy.deepcopy(cfg)
+    for key, value in train.items():
+        setattr(out.train, key, value)
+    return out
+
+
+def layout_of(cfg: Config, world: int) -> dict:
+    m, par = cfg.model, cfg.parallel
+    cp = _cp(cfg)
+    try:
+        check_layout(world, par.tp, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len // cp, par.sp)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if world % (par.tp * cp):
+        raise PlanError(f"world size {world} is not divisible by tp x cp = {par.tp} x {cp}")
+    dp = world // (par.tp * cp)
+    per_step = cfg.train.micro_batch_size * dp
+    accum = cfg.train.global_batch_size / per_step
+    return {"world": world, "tp": par.tp, "cp": cp, "dp": dp, "sp": par.sp, "zero_stage": par.zero_stage,
+            "micro_batch": cfg.train.micro_batch_size, "grad_accum": accum,
+            "global_batch": cfg.train.global_batch_size}  # fmt: skip
+
+
+def memory_at(cfg: Config, dp: int, micro: int) -> dict:
+    """Per-rank bytes at ``micro`` sequences per micro-batch: state, activations, transient, reserve."""
+    c = _with(cfg, micro_batch_size=micro)
+    state = state_bytes(c, dp)
+    act = activation_bytes(c, micro)
+    transient = transient_bytes(c, dp, micro)
+    total = state["total"] + act["total"] + transient["total"] + RESERVED_BYTES
+    return {"state": state, "activations": act, "transient": transient, "reserved": RESERVED_BYTES,
+            "total": total}  # fmt: skip
+
+
+def budget(gpu: GPU) -> int:
+    return int(gpu.memory_bytes * (1 - FRAGMENTATION))
+
+
+def largest_micro_batch(cfg: Config, dp: int, gpu: GPU, limit: int = 4096) -> int:
+    """The largest micro-batch whose memory fits the budget (0: not even one sequence fits)."""
+    fits = lambda b: memory_at(cfg, dp, b)["total"] <= budget(gpu)
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # memory grows with the micro-batch: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool) -> float:
+    """Seconds of a ring collective over ``n`` ranks: all-reduce moves 2(n-1)/n of the buffer, an
+    all-gather or reduce-scatter (n-1)/n."""
+    if n <= 1:
+        return 0.0
+    factor = (2 if all_reduce else 1) * (n - 1) / n
+    return factor * bytes_ / bandwidth
+
+
+def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
+    """Estimated step time from FLOPs at assumed kernel efficiencies plus exposed communication."""
+    m, t = cfg.model, cfg.train
+    world, tp, dp, cp = layout["world"], layout["tp"], layout["dp"], layout["cp"]
+    bf16 = t.precision == "bf16"
+    a = 2 if bf16 else 4
+    tokens = t.global_batch_size * m.seq_len
+    f = flops_per_token(m)
+    ac = t.activation_checkpointing
+    recompute_dense = f["dense"] / 3 if ac == "full" else 0.0
+    recompute_attention = f["attention"] / 3 if ac in ("full", "selective") else 0.0
+    peak = gpu.peak_bf16
+    gemm = (f["dense"] + recompute_dense + f["lm_head"]) * tokens / world
+    attention = (f["attention"] + recompute_attention) * tokens / world
+    compute_s = gemm / (peak * GEMM_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp) or 1
+    full = _with(cfg, activation_checkpointing="none")
+    moved = activation_bytes(full, t.micro_batch_size)["total"] * ELEMENTWISE_TRAFFIC * micro_batches
+    memory_s = moved / (gpu.hbm_tb_s * 1e12)
+    nvlink = gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
+    network = gpu.network_gb_s * 1e9 * LINK_EFFICIENCY
+    # TP: 2 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the [s, b, h]
+    # activations per layer forward and 2 backward; full checkpointing repeats the forward's two.
+    tp_bw = nvlink if tp * cp <= gpus_per_node else network
+    per_layer = 4 + (2 if ac == "full" else 0)
+    act_bytes = t.micro_batch_size * (m.seq_len // cp) * m.hidden_size * a
+    tp_s = micro_batches * m.num_layers * per_layer * _ring(act_bytes, tp, tp_bw, all_reduce=True)
+    # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1-2: reduce-scatter + all-gather of the
+    # updated weights); ZeRO-3 gathers weights for every micro-batch's forward and backward and
+    # reduce-scatters gradients per micro-batch, prefetched (hidden behind compute where it can be).
+    inv = param_inventory(m, tp)
+    grad_bytes = a * sum(p.numel for p in inv)
+    dp_bw = nvlink if world <= gpus_per_node else network
+    stage = cfg.parallel.zero_stage
+    if stage == 0:
+        dp_s = _ring(grad_bytes, dp, dp_bw, all_reduce=True)
+    elif stage in (1, 2):
+        dp_s = 2 * _ring(grad_bytes, dp, dp_bw, all_reduce=False)
+    else:
+        gathers = micro_batches * 3 * _ring(grad_bytes, dp, dp_bw, all_reduce=False)
+        dp_s = max(0.0, gathers - compute_s)
+    partition = sum(p.numel for p in inv) / (dp if stage else 1)
+    optimizer_s = ADAM_BYTES_PER_ELEMENT * partition / (gpu.hbm_tb_s * 1e12)
+    step_s = compute_s + memory_s + tp_s + dp_s + optimizer_s
+    model_flops = f["total"] * tokens
+    return {
+        "flops_per_token": f["total"],
+        "tokens_per_step": tokens,
+        "compute_s": compute_s,
+        "memory_bound_s": memory_s,
+        "tp_comm_s": tp_s,
+        "dp_comm_s": dp_s,
+        "optimizer_s": optimizer_s,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops_per_gpu": model_flops / step_s / world / 1e12,
+        "mfu": model_flops / (step_s * world * peak),
+        "peak_tflops": peak / 1e12,
+    }
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU) -> dict:
+    world = nodes * gpus_per_node
+    auto = cfg.train.precision == "auto"
+    if auto:  # auto is bf16 on CUDA, and the planner plans for GPUs
+        cfg = _with(cfg, precision="bf16")
+    layout = layout_of(cfg, world)
+    dp = layout["dp"]
+    mem = memory_at(cfg, dp, cfg.train.micro_batch_size)
+    stages = {}
+    for stage in range(4):
+        c = copy.deepcopy(cfg)
+        c.parallel.zero_stage = stage
+        stages[stage] = state_bytes(c, dp)
+    cap = budget(gpu)
+    headroom = cap - mem["total"]
+    verdict = "fits" if headroom >= TIGHT * cap else "tight" if headroom >= 0 else "does not fit"
+    notes = []
+    if layout["grad_accum"] != int(layout["grad_accum"]):
+        t = cfg.train
+        notes.append(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro-batch {t.micro_batch_size} x DP {dp}; the trainer refuses it"
+        )
+    backend = cfg.model.attention_backend
+    if (cfg.model.position == "alibi" and backend == "sdpa") or backend == "eager":
+        notes.append(f"attention_backend={backend} keeps an L x L tensor per head (counted); "
+                     "flash-attn (auto on CUDA) keeps none")  # fmt: skip
+    if auto:
+        notes.append("train.precision=auto is planned as bf16 (what it means on CUDA)")
+    return {
+        "gpu": gpu.name,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "params": total_params(cfg.model),
+        "params_per_rank": sum(p.numel for p in param_inventory(cfg.model, cfg.parallel.tp)),
+        "layout": layout,
+        "precision": cfg.train.precision,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "memory": mem,
+        "zero_stages": stages,
+        "capacity": gpu.memory_bytes,
+        "budget": cap,
+        "headroom": headroom,
+        "verdict": verdict,
+        "largest_micro_batch": largest_micro_batch(cfg, dp, gpu),
+        "throughput": throughput(cfg, layout, gpu, gpus_per_node),
+        "notes": notes,
+    }
+
+
+# ---- text --------------------------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def format_plan(p: dict) -> str:
+    lay, mem, th = p["layout"], p["memory"], p["throughput"]
+    act, tr = mem["activations"], mem["transient"]
+    lines = [
+        f"model        {_count(p['params'])} parameters ({p['params']:,}); "
+        f"{_count(p['params_per_rank'])} per TP rank",
+        f"hardware     {p['nodes']} node(s) x {p['gpus_per_node']} {p['gpu']} = {lay['world']} GPUs, "
+        f"{p['capacity'] / GIB:.1f} GiB each",
+        f"layout       TP={lay['tp']} CP={lay['cp']} DP={lay['dp']} SP={'on' if lay['sp'] else 'off'} "
+        f"ZeRO-{lay['zero_stage']} | {p['precision']} | checkpointing {p['activation_checkpointing']} | "
+        f"micro {lay['micro_batch']} x accum {lay['grad_accum']:g} x DP {lay['dp']} "
+        f"= global {lay['global_batch']}",
+        "",
+        "per-GPU memory (ZeRO stage: parameters / gradients / optimizer / buffers = state)",
+    ]
+    for stage, s in p["zero_stages"].items():
+        mark = "  <- configured" if stage == lay["zero_stage"] else ""
+        lines.append(f"  ZeRO-{stage}  {_gib(s['params'])} {_gib(s['grads'])} {_gib(s['optimizer'])} "
+                     f"{_gib(s['buffers'])} = {_gib(s['total'])}{mark}")  # fmt: skip
+    lines += [
+        f"  activations     {_gib(act['total'])}  ({act['per_layer'] / GIB:.3f} GiB per layer x "
+        f"{act['layers'] // max(act['per_layer'], 1)} layers + {act['outside'] / GIB:.3f} GiB outside; "
+        f"micro-batch {lay['micro_batch']})",
+        f"  transient       {_gib(tr['total'])}  ("
+        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in tr.items() if k != "total" and v)
+        + ")",
+        f"  reserved        {_gib(mem['reserved'])}  (CUDA context, NCCL, workspaces)",
+        f"  total           {_gib(mem['total'])}  of a {_gib(p['budget']).strip()} budget "
+        f"({p['capacity'] / GIB:.1f} GiB less 5 % fragmentation)",
+        f"verdict      {p['verdict']}: headroom {p['headroom'] / GIB:.2f} GiB; "
+        f"largest micro-batch that fits: {p['largest_micro_batch']}",
+        "",
+        f"throughput   step {th['step_s']:.3f} s (matmuls {th['compute_s']:.3f}, memory-bound ops "
+        f"{th['memory_bound_s']:.3f}, TP comm {th['tp_comm_s']:.3f}, "
+        f"DP comm {th['dp_comm_s']:.3f}, optimizer {th['optimizer_s']:.3f})",
+        f"             {th['tokens_per_s']:,.0f} tokens/s, {th['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+        f"MFU {th['mfu']:.1%} of {th['peak_tflops']:.0f} TFLOP/s bf16 "
+        f"({th['flops_per_token'] / 1e9:.2f} GFLOP per token)",
+    ]
+    lines += [f"note         {n}" for n in p["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""The planner's model configs, its parameter inventory against the real model, and its CLI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from goat_dist.config import load_config
+from goat_dist.plan import make_plan, param_inventory, total_params
+from goat_dist.plan.hardware import GPUS, gpu
+from goat_dist.plan.planner import PlanError, largest_micro_batch, memory_at
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = sorted((ROOT / "configs" / "models").glob("*.yaml"))
+SIZE = {"125m": 125e6, "350m": 350e6, "760m": 760e6, "1.3b": 1.3e9, "2.7b": 2.7e9, "6.7b": 6.7e9,
+        "13b": 13e9, "30b": 30e9}  # fmt: skip
+
+
+def _keys(path: Path) -> list[str]:
+    return re.findall(r"^ *[a-z_0-9]+:", path.read_text(), flags=re.M)
+
+
+def test_every_size_and_twin_is_there():
+    names = {p.stem for p in MODELS}
+    assert {f"goat_{s}" for s in SIZE} <= names
+    assert {"rope_125m", "alibi_125m", "rope_1.3b", "alibi_1.3b"} <= names
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
+def test_model_config_parses_and_its_size_matches_its_name(path):
+    cfg = load_config(path)
+    assert _keys(path) == _keys(ROOT / "configs" / "tiny.yaml")  # the embedded default's format
+    position, size = path.stem.split("_")
+    assert cfg.model.position == position
+    n = total_params(cfg.model)
+    assert abs(n / SIZE[size] - 1) <= 0.10, f"{path.name}: {n:,} parameters"
+    head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    assert head_dim in (64, 128)
+    nodes = re.search(r"--nnodes=(\d+)", path.read_text())
+    world = 8 * int(nodes.group(1) if nodes else 1)
+    plan = make_plan(cfg, world // 8, 8, gpu("h100-80gb"))  # its own layout on 8 x 80 GB GPUs per node
+    assert plan["layout"]["grad_accum"] == int(plan["layout"]["grad_accum"])
+    assert plan["verdict"] == "fits", (path.name, plan["headroom"])
+
+
+@pytest.mark.parametrize("position", ["goat", "rope", "alibi", "learned"])
+@pytest.mark.parametrize("extra", [[], ["model.bias=true", "model.norm=layernorm", "model.activation=gelu",
+                                        "model.tie_embeddings=false", "model.num_kv_heads=2"]])  # fmt: skip
+def test_inventory_is_the_models_own_parameter_list(world1, position, extra):
+    from goat_dist.model import GPT
+
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+                             "model.vocab_size=1000", "model.seq_len=32", f"model.position={position}",
+                             *extra])  # fmt: skip
+    model = GPT(cfg.model)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert built == [(p.name, p.shape) for p in param_inventory(cfg.model, 1)]
+    assert total_params(cfg.model) == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_grows_with_the_micro_batch_and_the_largest_fit_is_the_boundary():
+    cfg = load_config(ROOT / "configs/models/goat_1.3b.yaml")
+    h100 = gpu("h100-80gb")
+    best = largest_micro_batch(cfg, 8, h100)
+    assert best >= 1
+    assert (
+        memory_at(cfg, 8, best)["total"]
+        <= int(h100.memory_bytes * 0.95)
+        < memory_at(cfg, 8, best + 1)["total"]
+    )
+    # a bigger GPU fits more; ZeRO-3 and TP shrink the state
+    assert largest_micro_batch(cfg, 8, gpu("h200")) > best > largest_micro_batch(cfg, 8, gpu("a100-40gb"))
+    z3 = load_config(ROOT / "configs/models/goat_1.3b.yaml", ["parallel.zero_stage=3"])
+    assert memory_at(z3, 8, 1)["state"]["total"] < memory_at(cfg, 8, 1)["state"]["total"]
+
+
+def test_impossible_layouts_are_refused_with_their_numbers():
+    cfg = load_config(ROOT / "configs/models/goat_1.3b.yaml", ["parallel.tp=3"])
+    with pytest.raises(PlanError, match="tp=3"):
+        make_plan(cfg, 1, 8, gpu("h100-80gb"))
+
+
+def test_gpu_table():
+    assert set(GPUS) == {"h100-80gb", "h200", "a100-80gb", "a100-40gb", "b200"}
+    assert gpu("h100-80gb").peak_bf16 == 989.4e12 and gpu("a100-40gb").peak_bf16 == 312e12
+    with pytest.raises(ValueError, match="known"):
+        gpu("t4")
