@@ -1,0 +1,152 @@
+"""GOAT attention on CUDA in bf16: TFLOP/s of flash4 (FlashAttention-4), flash (FlashAttention-2, when
+installed) and torch SDPA, forward and forward + backward, causal, at L = 4k and 16k.
+
+Each backend runs ``goat_attention`` (lanes folded into q/k, one kernel call) on the same inputs: batch
+so that B x L = 32k tokens, 16 query heads over 4 KV heads, head dim 128 (GOAT's 2R+3 = 11 prior lanes
+inside it). FLOPs count the two matmuls on the causal half, with q/k and v head dims:
+``2 B H (L^2 / 2) (D_qk + D_v)`` forward and 2.5x that backward (the usual flash-attn convention;
+recomputation not counted). Timing: CUDA events, median of ``--repeats`` after ``--warmup`` calls (the
+first flash4 call JIT-compiles its kernels and is not timed). Writes ``gpu_attention.json`` and
+``gpu_attention.md`` (a table) to ``--out``; the last line printed is flash4 / sdpa fwd+bwd at each L.
+
+    python bench/gpu_attention.py [--lengths 4096 16384] [--backends flash4 flash sdpa] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from goat_dist.attention import GoatPrior, goat_attention
+from goat_dist.attention.kernels import resolve_backend
+
+
+def timed(fn, repeats: int, warmup: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure(backend: str, L: int, args) -> dict:
+    B = max(1, args.tokens // L)
+    H, Hk, D = args.heads, args.kv_heads, args.head_dim
+    torch.manual_seed(0)
+    prior = GoatPrior(Hk, args.pos_rank, args.abs_rank, training_seq_len=2048).cuda()
+    d_c = D - prior.num_lanes
+    positions = torch.arange(L, device="cuda").expand(B, L)
+    qc = torch.randn(B, L, H, d_c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kc = torch.randn(B, L, Hk, d_c, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, L, Hk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            return goat_attention(qc, kc, v, prior, positions, causal=True, backend=backend)
+
+    def fwd_bwd():
+        out = goat_attention(qc, kc, v, prior, positions, causal=True, backend=backend)
+        out.backward(grad)
+
+    compile_start = time.perf_counter()
+    fwd_bwd()  # first call: FA4 compiles here
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - compile_start
+    t_fwd = timed(fwd, args.repeats, args.warmup)
+    t_all = timed(fwd_bwd, args.repeats, args.warmup)
+    flops_fwd = 2 * B * H * (L * L / 2) * (D + D)
+    return {
+        "backend": backend,
+        "L": L,
+        "batch": B,
+        "heads": H,
+        "kv_heads": Hk,
+        "head_dim": D,
+        "fwd_ms": t_fwd * 1e3,
+        "fwd_bwd_ms": t_all * 1e3,
+        "fwd_tflops": flops_fwd / t_fwd / 1e12,
+        "fwd_bwd_tflops": 3.5 * flops_fwd / t_all / 1e12,
+        "first_call_s": first_call_s,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--backends", nargs="+", default=["flash4", "flash", "sdpa"])
+    p.add_argument("--tokens", type=int, default=32768, help="B x L per call")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--pos-rank", type=int, default=4)
+    p.add_argument("--abs-rank", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("runs/gpu_suite"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name()
+    cap = torch.cuda.get_device_capability()
+    rows, skipped = [], {}
+    for backend in args.backends:
+        try:
+            resolve_backend(backend)
+        except (RuntimeError, ValueError) as exc:
+            skipped[backend] = str(exc)
+            print(f"{backend}: skipped ({exc})")
+            continue
+        for L in args.lengths:
+            row = measure(backend, L, args)
+            rows.append(row)
+            print(
+                f"{backend:7s} L={L:6d} B={row['batch']:3d}  fwd {row['fwd_ms']:8.2f} ms "
+                f"{row['fwd_tflops']:7.1f} TFLOP/s  fwd+bwd {row['fwd_bwd_ms']:8.2f} ms "
+                f"{row['fwd_bwd_tflops']:7.1f} TFLOP/s  (first call {row['first_call_s']:.1f} s)",
+                flush=True,
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"device": device, "capability": list(cap), "torch": torch.__version__, "rows": rows,
+              "skipped": skipped}  # fmt: skip
+    (args.out / "gpu_attention.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"GOAT attention, bf16, causal, {device} (sm_{cap[0]}{cap[1]}), torch {torch.__version__}; "
+        f"H={args.heads}, H_kv={args.kv_heads}, head dim {args.head_dim}, B x L = {args.tokens}",
+        "",
+        "| backend | L | B | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['L']} | {r['batch']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.1f} | "
+            f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.1f} |"
+        )
+    lines += [f"\nskipped {name}: {why}" for name, why in skipped.items()]
+    (args.out / "gpu_attention.md").write_text("\n".join(lines) + "\n")
+    by = {(r["backend"], r["L"]): r for r in rows}
+    ratios = [
+        f"L={L}: {by['flash4', L]['fwd_bwd_tflops'] / by['sdpa', L]['fwd_bwd_tflops']:.2f}"
+        for L in args.lengths
+        if ("flash4", L) in by and ("sdpa", L) in by
+    ]
+    print("flash4 / sdpa fwd+bwd TFLOP/s: " + (", ".join(ratios) if ratios else "n/a"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
