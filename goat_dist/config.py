@@ -73,6 +73,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size; data parallel = world / tp
     sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    cp: int = 1  # context parallel: ranks sharing one sequence; data parallel = world / (tp x cp)
 
 
 @dataclass
@@ -327,6 +328,7 @@ def validate(cfg: Config) -> None:
         "model.seq_len": m.seq_len,
         "log.interval": cfg.log.interval,
         "parallel.tp": cfg.parallel.tp,
+        "parallel.cp": cfg.parallel.cp,
         "train.max_nonfinite_in_row": t.max_nonfinite_in_row,
     }
     for key, value in positive.items():

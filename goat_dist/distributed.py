@@ -29,6 +29,15 @@ class Layout:
     tp_rank: int
     dp_rank: int
     device: torch.device
+    cp: int = 1  # context parallel: the ranks that split one sequence
+    cp_rank: int = 0
+    replica_rank: int = 0  # rank among the dp x cp model replicas (ZeRO's partition index)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same TP slice of the weights: DP x CP (ZeRO partitions and gradient
+        reductions span them; CP splits activations, not weights)."""
+        return self.dp * self.cp
 
     @property
     def is_main(self) -> bool:
@@ -45,16 +54,29 @@ class LayoutError(ValueError):
     """The parallel layout cannot work (sizes do not divide); raised before any work starts."""
 
 
-def check_layout(world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len: int, sp: bool) -> None:
+def check_layout(
+    world: int, tp: int, num_heads: int, num_kv_heads: int, seq_len: int, sp: bool, cp: int = 1
+) -> None:
     """Reject impossible layouts before any work starts, naming the numbers."""
     problems = []
-    if world % tp:
-        problems.append(f"world size {world} is not divisible by parallel.tp={tp}")
+    if world % (tp * cp):
+        what = f"parallel.tp={tp}" if cp == 1 else f"parallel.tp={tp} x parallel.cp={cp} = {tp * cp}"
+        problems.append(f"world size {world} is not divisible by {what}")
+    if cp > 1 and seq_len % (2 * cp):
+        problems.append(
+            f"model.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (context parallel "
+            "splits every sequence into 2·cp chunks)"
+        )
+    if cp > 1 and sp and seq_len % (2 * cp * tp):
+        problems.append(
+            f"model.seq_len={seq_len} is not divisible by 2 x parallel.cp x parallel.tp = {2 * cp * tp} "
+            "(context parallel with sequence parallel)"
+        )
     if num_heads % tp:
         problems.append(f"model.num_heads={num_heads} is not divisible by parallel.tp={tp}")
     if num_kv_heads % tp:
         problems.append(f"model.num_kv_heads={num_kv_heads} is not divisible by parallel.tp={tp}")
-    if sp and seq_len % tp:
+    if sp and cp == 1 and seq_len % tp:
         problems.append(f"model.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
     if problems:
         raise LayoutError("impossible parallel layout: " + "; ".join(problems))
@@ -72,8 +94,11 @@ def backend_for(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def init(tp: int = 1) -> Layout:
-    """Initialise torch.distributed (see ``backend_for``) and megatron's parallel_state."""
+def init(tp: int = 1, cp: int = 1) -> Layout:
+    """Initialise torch.distributed (see ``backend_for``) and megatron's parallel_state.
+
+    megatron's rank order is tp-cp-dp (TP fastest): the CP ranks of one sequence are ``tp`` apart, and
+    ``get_data_parallel_group(with_context_parallel=True)`` holds every replica of one TP slice."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
@@ -91,16 +116,24 @@ def init(tp: int = 1) -> Layout:
     if cuda:
         torch.cuda.set_device(device)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        if dist.get_world_size() % (tp * cp):  # megatron would only assert
+            what = f"parallel.tp={tp}" if cp == 1 else f"parallel.tp={tp} x parallel.cp={cp} = {tp * cp}"
+            raise LayoutError(
+                f"impossible parallel layout: world size {dist.get_world_size()} is not divisible by {what}"
+            )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     return Layout(
         world=dist.get_world_size(),
         rank=dist.get_rank(),
         local_rank=local_rank,
         tp=tp,
-        dp=dist.get_world_size() // tp,
+        dp=dist.get_world_size() // (tp * cp),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),  # without CP: the loader's split
         device=device,
+        cp=cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        replica_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
 
 

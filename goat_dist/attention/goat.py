@@ -44,13 +44,29 @@ def goat_attention(
         return eager_attention(
             q_content, k_content, v, causal=causal, scale=scale, bias=bias, segments=segments
         )
+    q, k = fold_prior(q_content, k_content, prior, position_ids, causal=causal, origin=origin)
+    return attend(q, k, v, causal=causal, scale=scale, backend=backend, segments=segments)
+
+
+def fold_prior(
+    q_content: torch.Tensor,
+    k_content: torch.Tensor,
+    prior: GoatPrior,
+    position_ids: torch.Tensor,
+    *,
+    causal: bool,
+    origin: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with the prior's lanes appended (for a kernel whose scale is ``1/sqrt(d_c)``).
+
+    Each token's lanes depend only on its own global position and the row's ``origin``: a
+    context-parallel rank folds its own chunks and exchanges the folded keys."""
+    scale = 1.0 / math.sqrt(q_content.shape[-1])
     q_lanes, k_lanes = prior.lanes(position_ids, causal, scale=scale, dtype=q_content.dtype, origin=origin)
     group = q_content.shape[2] // k_content.shape[2]
     if group > 1:
         q_lanes = q_lanes.repeat_interleave(group, dim=2)
-    q = torch.cat([q_content, q_lanes], dim=-1)
-    k = torch.cat([k_content, k_lanes], dim=-1)
-    return attend(q, k, v, causal=causal, scale=scale, backend=backend, segments=segments)
+    return torch.cat([q_content, q_lanes], dim=-1), torch.cat([k_content, k_lanes], dim=-1)
 
 
 def split_grouped_qkv(mixed: torch.Tensor, num_kv_heads: int, group: int, content_dim: int, head_dim: int):

@@ -42,7 +42,7 @@ def split_meta(p) -> dict:
 def save(engine, model, step_dir: Path, step: int) -> None:
     """Collective: every rank calls it."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    writer = parallel_state.get_data_parallel_rank() == 0
+    writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # one per TP rank
     masters = layout_of(engine)
     masters.prepare()
     tensors, meta = {}, {}

@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention import GoatPrior, alibi_slopes, attend, goat_attention, split_grouped_qkv
-from ..attention.goat import grouped_qkv_width
+from ..attention.goat import fold_prior, grouped_qkv_width
 from ..attention.kernels import eager_attention, flash_attention, resolve_backend, sdpa_attention
 from ..config import ModelConfig
+from ..parallel.context import ContextShard, context_attention, gather_sequence
 from .positions import alibi_bias, apply_rope, rope_cos_sin
 
 
@@ -74,20 +75,46 @@ class ParallelSelfAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, segments=None, origin=None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        segments=None,
+        origin=None,
+        shard: ContextShard | None = None,
     ) -> torch.Tensor:
         """``origin`` (b, 1): GOAT's per-sequence recency origin; None derives it from ``position_ids``
-        (a context-parallel caller passes the whole row's, see ``attention.exact.sequence_origin``)."""
+        (a context-parallel caller passes the whole row's, see ``attention.exact.sequence_origin``).
+        ``shard``: context parallelism; x holds this rank's chunks, ``position_ids`` their global
+        positions, and the shard the whole rows' segments and origin (``parallel/context.py``)."""
         mixed, _ = self.qkv(x)  # [s, b, local width]; gathers the sequence under SP
         mixed = mixed.transpose(0, 1)
         q, k, v = split_grouped_qkv(mixed, self.local_kv_heads, self.group, self.content_dim, self.head_dim)
+        core, extra = (self._attend, (segments, origin)) if shard is None else (self._attend_cp, (shard,))
         if self.checkpoint_core and self.training:  # selective recomputation: keep no L x L activations
-            out = checkpoint(self._attend, q, k, v, position_ids, segments, origin, use_reentrant=False)
+            out = checkpoint(core, q, k, v, position_ids, *extra, use_reentrant=False)
         else:
-            out = self._attend(q, k, v, position_ids, segments, origin)
+            out = core(q, k, v, position_ids, *extra)
         b, s = out.shape[:2]
         out, _ = self.proj(out.reshape(b, s, -1).transpose(0, 1))  # reduce(-scatter under SP)
         return out
+
+    def _attend_cp(self, q, k, v, position_ids, shard: ContextShard):
+        """Context parallel: fold positions into this rank's q/k, all-gather K/V over the CP group, attend
+        each local chunk to its key prefix (``parallel.context``)."""
+        position, slopes = self.cfg.position, None
+        scale = self.head_dim**-0.5
+        if position == "goat":
+            q, k = fold_prior(q, k, self.prior, position_ids, causal=True, origin=shard.origin)
+            scale = self.content_dim**-0.5
+        elif position == "rope":
+            cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_base)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif position == "alibi":
+            slopes = self.alibi_slopes
+        k_full, v_full = gather_sequence(k, shard), gather_sequence(v, shard)
+        return context_attention(
+            q, k_full, v_full, shard, scale=scale, backend=self.backend, alibi_slopes=slopes
+        )
 
     def _attend(self, q, k, v, position_ids, segments=None, origin=None):
         position = self.cfg.position

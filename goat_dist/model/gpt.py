@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..attention.kernels import document_segments
 from ..config import ModelConfig
 from ..data.loader import IGNORE_INDEX  # label of tokens that carry no loss
+from ..parallel.context import ContextShard, context_shard
 from .attention import ParallelSelfAttention
 
 
@@ -98,8 +99,8 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids, segments))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None, shard=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids, segments, shard=shard))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -148,22 +149,28 @@ class GPT(nn.Module):
             )
 
     # ---- forward ----------------------------------------------------------------------------------
-    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """tokens, position_ids (b, s) -> final hidden states [s(/tp under SP), b, h]."""
+    def hidden_states(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor, shard: ContextShard | None = None
+    ) -> torch.Tensor:
+        """tokens, position_ids (b, s) -> final hidden states [s(/tp under SP), b, h].
+
+        Context parallel: tokens and position_ids are this rank's chunks; ``shard`` holds what the
+        whole rows define (document segments, GOAT's origin) and the CP group."""
         x = self.embedding(tokens)  # [b, s, h], all-reduced over TP
         if self.pos_embedding is not None:
             if int(position_ids.max()) >= self.cfg.seq_len:
                 raise ValueError(f"learned positions stop at model.seq_len={self.cfg.seq_len}")
             x = x + self.pos_embedding(position_ids)
         x = x.transpose(0, 1).contiguous()
-        segments = document_segments(position_ids)  # None unless positions restart (packed documents)
+        # None unless positions restart (packed documents); under CP the shard holds the whole rows'
+        segments = document_segments(position_ids) if shard is None else None
         if self.sequence_parallel:
             x = tensor_parallel.scatter_to_sequence_parallel_region(x)
         for block in self.blocks:
             if self.activation_checkpointing == "full" and self.training:
-                x = checkpoint(block, x, position_ids, segments, use_reentrant=False)
+                x = checkpoint(block, x, position_ids, segments, shard, use_reentrant=False)
             else:
-                x = block(x, position_ids, segments)
+                x = block(x, position_ids, segments, shard)
         return self.final_norm(x)
 
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -185,11 +192,25 @@ class GPT(nn.Module):
         return logits
 
     def forward(self, tokens, position_ids, labels=None):
-        """Mean next-token loss when ``labels`` are given, else vocab-parallel logits [b, s, V/tp]."""
-        logits = self.vocab_parallel_logits(self.hidden_states(tokens, position_ids))
+        """Mean next-token loss when ``labels`` are given, else vocab-parallel logits [b, s, V/tp].
+
+        Context parallel (``parallel.cp`` > 1): every CP rank is given the whole rows and keeps its two
+        chunks (``parallel/context.py``); logits are those of its chunks, and the loss is
+        ``cp x (its tokens' loss sum) / (tokens of the whole rows)``, whose mean over the CP group is the
+        whole rows' mean (gradients are averaged over DP x CP, so the factor cp cancels there too)."""
+        shard = context_shard(position_ids)
+        count = None
+        if shard is not None:
+            if labels is not None:
+                count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+                labels = shard.split(labels)
+            tokens, position_ids = shard.split(tokens), shard.split(position_ids)
+        logits = self.vocab_parallel_logits(self.hidden_states(tokens, position_ids, shard))
         if labels is None:
             return logits.transpose(0, 1)
         labels = labels.transpose(0, 1).contiguous()
         keep = labels != IGNORE_INDEX  # e.g. the unreadable part of a skipped corrupt shard
         losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.clamp(min=0))
+        if shard is not None:
+            return (losses * keep).sum() * shard.cp / count
         return (losses * keep).sum() / keep.sum().clamp(min=1)

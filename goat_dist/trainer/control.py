@@ -65,12 +65,15 @@ def agree(
     deadline: bool,
     tp: int,
     dp: int,
+    cp: int = 1,
 ) -> StepControl:
     """Collective over the whole world; every rank calls it once per step, after the last backward.
 
     ``loss_sum``, ``nonfinite_loss`` and ``nonfinite_grad`` may live on the device: they are moved to the
-    host together (the step's one host sync).
+    host together (the step's one host sync). Context parallel: the CP ranks of a replica hold the same
+    batch (fingerprint, skip count) and losses whose CP mean is the rows' mean, like TP peers.
     """
+    tp = tp * cp
     loss, bad_loss, bad_grad = (
         torch.stack([loss_sum.detach().double(), nonfinite_loss.double(), nonfinite_grad.double()])
         .cpu()

@@ -2,7 +2,7 @@
 
 The model is already made of megatron-core tensor-parallel layers; this adds what spans ranks: gradient
 reductions for parameters replicated across the TP group, and DeepSpeed's engine (ZeRO over the
-data-parallel group only, through megatron's process groups).
+data-parallel x context-parallel group, through megatron's process groups; see MegatronMPU).
 """
 
 from __future__ import annotations
@@ -18,8 +18,24 @@ from ..config import Config
 from .optim import build_optimizer, is_prior
 
 
+def _replica_rank() -> int:
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _replica_world_size() -> int:
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def _replica_group():
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 class MegatronMPU:
-    """The model-parallel interface DeepSpeed expects, answered by megatron-core's parallel_state."""
+    """The model-parallel interface DeepSpeed expects, answered by megatron-core's parallel_state.
+
+    DeepSpeed's "data parallel" is every replica of a TP slice: DP x CP. Context-parallel ranks hold
+    identical weights (CP splits activations only) and their gradients are partial sums of one loss, so
+    gradient averaging and ZeRO's partitions span DP x CP (at CP=1 this is megatron's DP group)."""
 
     get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
     get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
@@ -27,9 +43,9 @@ class MegatronMPU:
     get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
     get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
     get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
-    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
-    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
-    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(_replica_rank)
+    get_data_parallel_world_size = staticmethod(_replica_world_size)
+    get_data_parallel_group = staticmethod(_replica_group)
 
 
 def tp_partial_grad_params(model: nn.Module) -> list[nn.Parameter]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -73,7 +74,7 @@ def autocast_context(cfg: Config, device: torch.device):
 class Trainer:
     def __init__(self, cfg: Config, callbacks: list[Callback] | None = None):
         self.cfg = cfg
-        self.layout = distributed.init(tp=cfg.parallel.tp)
+        self.layout = distributed.init(tp=cfg.parallel.tp, cp=cfg.parallel.cp)
         m = cfg.model
         distributed.check_layout(
             self.layout.world,
@@ -82,6 +83,7 @@ class Trainer:
             m.num_kv_heads or m.num_heads,
             m.seq_len,
             cfg.parallel.sp,
+            cp=cfg.parallel.cp,
         )
         self.grad_accum = gradient_accumulation(cfg, self.layout.dp)
         self.run_dir = cfg.run_dir
@@ -138,6 +140,7 @@ class Trainer:
             "world": lay.world,
             "tp": lay.tp,
             "dp": lay.dp,
+            "cp": lay.cp,  # informative: world, tp and dp fix it
             "zero_stage": self.cfg.parallel.zero_stage,
             "precision": "bf16" if self.cfg.train.precision == "bf16" else "fp32",  # DeepSpeed's mode
             "param_groups": [g.get("name") for g in self.engine.optimizer.param_groups],
@@ -207,6 +210,7 @@ class Trainer:
             "world": lay.world,
             "tp": lay.tp,
             "sp": cfg.parallel.sp,
+            "cp": lay.cp,
             "dp": lay.dp,
             "zero_stage": cfg.parallel.zero_stage,
             "micro_batch": cfg.train.micro_batch_size,
@@ -230,7 +234,7 @@ class Trainer:
         )
         lines = [
             f"goat-dist run dir: {self.run_dir}",
-            f"layout: world {lay.world} = TP {lay.tp} x DP {lay.dp} | SP {cfg.parallel.sp} | "
+            f"layout: world {lay.world} = TP {lay.tp} x CP {lay.cp} x DP {lay.dp} | SP {cfg.parallel.sp} | "
             f"ZeRO {cfg.parallel.zero_stage} | micro {cfg.train.micro_batch_size} x accum {self.grad_accum} "
             f"x DP {lay.dp} = global {cfg.train.global_batch_size} seqs of {cfg.model.seq_len}",
             f"model: {cfg.model.position} attention ({record['attention_backend']}), "
@@ -280,6 +284,7 @@ class Trainer:
             deadline=self._deadline_near(),
             tp=self.layout.tp,
             dp=self.layout.dp,
+            cp=self.layout.cp,
         )
         if control.nonfinite:
             self._on_nonfinite(control, [first_micro + k for k in bad_loss.nonzero().flatten().tolist()])
@@ -347,15 +352,18 @@ class Trainer:
         it = iter(self.val_batches)
         total = torch.zeros((), device=self.layout.device)
         n = self.cfg.train.eval_batches
-        probe = AttentionProbe(self.engine.module) if self.cfg.log.attention_stats else None
+        # the probe re-runs attention over whole rows: not under context parallelism
+        stats = self.cfg.log.attention_stats and self.layout.cp == 1
+        probe = AttentionProbe(self.engine.module) if stats else None
         for i in range(n):
             tokens, positions, labels, _ = self._batch(it)
             with self.autocast(), probe if (probe and i == 0) else contextlib.nullcontext():
                 total += self.engine(tokens, positions, labels).float()
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.attention_stats = probe.result() if probe else None  # collective over TP
         self.engine.train()
-        return total.item() / (n * self.layout.dp)
+        return total.item() / (n * self.layout.replicas)
 
     def fit(self) -> RunState:
         cfg, state = self.cfg, self.state
@@ -392,7 +400,9 @@ class Trainer:
 
         cfg, state = self.cfg, self.state
         tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        observed = StepMetrics(cfg, self.engine.module, self.layout, self._train_loader.dataset)
+        # weights are replicated (and ZeRO-3-partitioned) over DP x CP: the norm counts each replica once
+        replicas = dataclasses.replace(self.layout, dp=self.layout.replicas, dp_rank=self.layout.replica_rank)
+        observed = StepMetrics(cfg, self.engine.module, replicas, self._train_loader.dataset)
         window_start, window_steps = time.perf_counter(), 0
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()

@@ -1,0 +1,122 @@
+"""torchrun worker: several context-parallel checks in one world (one launch, several layouts).
+
+    cp_runs.py <out_dir> <cache_dir> <job> [<job> ...]
+
+Jobs, run in order (megatron's groups are rebuilt when a job needs another TP/CP split):
+
+* ``grads:<tp>:<cp>``: one forward/backward of tests/workers/tp_grads.py's tiny GOAT model under TP x CP
+  with SP, for plain rows and for rows of packed documents, with the sdpa CP path and with the flash CP
+  path (tests/flash_standin.py, fp32); rank 0 saves the TP=1-shaped gradients and losses to
+  ``<out_dir>/grads.pt``;
+* ``train:<name>:<override>,<override>...``: ``goat-dist train`` (the Trainer) on multiproc.TINY with
+  these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``.
+"""
+
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from goat_dist import distributed  # noqa: E402
+
+
+def relayout(tp: int, cp: int) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() == tp
+            and parallel_state.get_context_parallel_world_size() == cp
+        ):
+            return
+        parallel_state.destroy_model_parallel()
+    distributed.init(tp=tp, cp=cp)
+
+
+def document_batch(cfg):
+    """tp_grads.tiny_batch with packed documents: row 0 restarts at 5 and 19 (19 lies in a later chunk)."""
+    from tp_grads import tiny_batch
+
+    tokens, positions, labels = tiny_batch(cfg)
+    positions = positions.clone()
+    positions[0, 5:] = torch.arange(cfg.seq_len - 5)
+    positions[0, 19:] = torch.arange(cfg.seq_len - 19) + 100
+    return tokens, positions, labels
+
+
+def grads(out: Path, tp: int, cp: int) -> None:
+    from flash_standin import FlashStandin, installed
+    from tp_grads import full_gradient, tiny_batch, tiny_config
+
+    from goat_dist.model import GPT
+    from goat_dist.trainer.parallelize import add_tp_grad_allreduce
+
+    relayout(tp, cp)
+    cp_group = parallel_state.get_context_parallel_group()
+    result = {}
+    for backend in ("sdpa", "flash"):
+        cfg = tiny_config("goat")
+        cfg.attention_backend = backend
+        standin = FlashStandin(allow_fp32=True)
+        with installed(standin):
+            torch.manual_seed(0)
+            model = GPT(cfg, sequence_parallel=tp > 1)
+            add_tp_grad_allreduce(model)
+            for batch_name, batch in (("plain", tiny_batch(cfg)), ("documents", document_batch(cfg))):
+                model.zero_grad()
+                loss = model(*batch)
+                loss.backward()
+                # CP ranks' gradients are partial sums of one loss: reduced over the CP group (the
+                # trainer does it in DeepSpeed's DP x CP average, with the factor cp in the loss)
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad, group=cp_group)
+                    p.grad /= cp
+                mean_loss = loss.detach().clone()
+                torch.distributed.all_reduce(mean_loss, group=cp_group)
+                result[f"{backend}/{batch_name}"] = {
+                    "loss": float(mean_loss) / cp,
+                    "grads": {name: full_gradient(p) for name, p in model.named_parameters()},
+                }
+        if backend == "flash":
+            assert standin.calls, "the flash CP path did not reach the flash module"
+            result["flash_calls"] = sorted(set(standin.calls))
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, out / "grads.pt")
+
+
+def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
+    from multiproc import TINY
+
+    from goat_dist.config import load_config
+    from goat_dist.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [*TINY, "train.max_steps=10", f"data.cache_dir={cache}", f"run.dir={out / name}", *overrides],
+    )
+    relayout(cfg.parallel.tp, cfg.parallel.cp)
+    Trainer(cfg).fit()
+
+
+def main(out: str, cache: str, jobs: list[str]) -> None:
+    out_dir = Path(out)
+    for job in jobs:
+        kind, _, rest = job.partition(":")
+        if kind == "grads":
+            tp, cp = (int(x) for x in rest.split(":"))
+            grads(out_dir, tp, cp)
+        elif kind == "train":
+            name, _, overrides = rest.partition(":")
+            train(out_dir, cache, name, [o for o in overrides.split(",") if o])
+        else:
+            raise SystemExit(f"unknown job {job!r}")
+        torch.distributed.barrier()
+    distributed.exit_process(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
