@@ -15,6 +15,7 @@ the per-rank count, and the Adam moments the optimizer really created.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from ..config import Config
 from ..distributed import LayoutError, check_layout
 from .hardware import GIB
-from .memory import _ceil_div, _cp, _flat_partition, param_inventory
+from .memory import _ceil_div, _cp, _flat_partition, param_inventory, total_params
 from .planner import PlanError, memory_at
 
 
@@ -48,6 +49,26 @@ def _teardown() -> None:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _slopes_on_cpu():
+    """ALiBi's slopes for a head count that is not a power of two are built with ``.tolist()``, which a
+    meta tensor cannot answer: compute them on the CPU (a few floats) while the rest stays on meta."""
+    from ..attention import prior
+    from ..model import attention
+
+    original = prior.alibi_slopes
+
+    def on_cpu(n_heads: int) -> torch.Tensor:
+        with torch.device("cpu"):
+            return original(n_heads)
+
+    prior.alibi_slopes = attention.alibi_slopes = on_cpu
+    try:
+        yield
+    finally:
+        prior.alibi_slopes = attention.alibi_slopes = original
+
+
 def build_rank(cfg: Config, rank: int, world: int):
     """(model, optimizer) of global ``rank`` on the meta device; the optimizer's state created."""
     from megatron.core import parallel_state
@@ -60,7 +81,7 @@ def build_rank(cfg: Config, rank: int, world: int):
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank()
         dp = parallel_state.get_data_parallel_world_size()
-        with torch.device("meta"):
+        with torch.device("meta"), _slopes_on_cpu():
             model = GPT(cfg.model, sequence_parallel=cfg.parallel.sp,
                         activation_checkpointing=cfg.train.activation_checkpointing)  # fmt: skip
             for p in model.parameters():
@@ -133,8 +154,9 @@ def materialize(cfg: Config, world: int, log=print) -> dict:
     log(f"dry run      {world} ranks = TP {tp} x DP {dp}, ZeRO-{cfg.parallel.zero_stage}, "
         f"{cfg.train.precision}; model and AdamW built on the meta device under a fake process group "
         f"({tp} TP ranks built in {built_s:.1f} s)")  # fmt: skip
-    log(f"parameters   {sum(v['params'] for v in by_tp.values()) * dp // dp:,} per DP replica "
-        f"(sum over TP ranks); optimizer groups: {', '.join(by_tp[0]['groups'])}")  # fmt: skip
+    log(f"parameters   {total_params(m):,} in the model (planned); per TP rank as built: "
+        + ", ".join(f"{v['params']:,}" for v in by_tp.values())
+        + f"; optimizer groups: {', '.join(by_tp[0]['groups'])}")  # fmt: skip
     log("rank   tp  dp   params/rank   zero-owned   state GiB  activations GiB  total GiB")
     ranks = []
     for rank in range(world):
