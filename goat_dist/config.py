@@ -43,12 +43,16 @@ class GoatConfig:
     abs_base: float = 10_000.0
     key_bias: bool = True  # the sink/recency term u(j): 3 lanes (bf16/fp16-exact split); 2R+3 in all
     prior_init: str = "seeded"  # seeded (ALiBi slopes) | uniform (starts as standard attention)
+    # the sink features' length normaliser L_train (t / L_train, log1p(t) / log1p(L_train)); None: the
+    # run's model.seq_len, or the value of the checkpoint it resumes or starts from (train.init_from),
+    # so a context-extension stage keeps the first stage's. Saved resolved in every run's config.
+    train_len: int | None = None
 
 
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096  # the tokenizer's; padded internally for TP (padding gets no probability)
-    seq_len: int = 256  # training context; also GOAT's L_train
+    seq_len: int = 256  # training context; GOAT's L_train unless model.goat.train_len says otherwise
     num_layers: int = 4
     hidden_size: int = 256
     num_heads: int = 8
@@ -100,6 +104,10 @@ class TrainConfig:
     max_nonfinite_in_row: int = 5  # skip mode: raise after this many non-finite steps in a row
     stop_at: str | None = None  # a wall-clock deadline (ISO 8601): save and exit 75 before it
     time_limit_minutes: float = 0.0  # the same, as minutes from the start of this process; 0: off
+    # a new run (step 0, its own data, schedule and layout) from a checkpoint's weights: a step dir, its
+    # checkpoints/ dir or run dir (their latest). Ignored when the run resumes its own checkpoint.
+    init_from: str | None = None
+    init_optimizer: bool = False  # with init_from: also carry Adam's moments (and step count) over
 
 
 @dataclass
@@ -293,6 +301,8 @@ def validate(cfg: Config) -> None:
         if chosen and not all(-limit <= i < limit for i in chosen):
             what = "layers" if key == "prior_layers" else "KV heads"
             raise ConfigError(f"config key 'log.{key}'={chosen}: the model has {limit} {what}")
+    if m.goat.train_len is not None and m.goat.train_len < 1:
+        raise ConfigError(f"model.goat.train_len must be >= 1 or null, got {m.goat.train_len}")
     if cfg.log.prior_interval < 0 or cfg.log.peak_tflops < 0:
         raise ConfigError("log.prior_interval and log.peak_tflops must be >= 0")
     if m.hidden_size % m.num_heads:

@@ -62,9 +62,21 @@ def save(engine, model, step_dir: Path, step: int) -> None:
         atomic_write_text(out / "meta.json", json.dumps(record, indent=1))
 
 
-def load(engine, model, step_dir: Path, step: int) -> None:
+def load(
+    engine,
+    model,
+    step_dir: Path,
+    step: int,
+    keys: tuple[str, ...] = KEYS,
+    adam_step: int | None = None,
+    schedule: bool = True,
+) -> None:
     """Collective: set every rank's fp32 masters, Adam moments and forward weights from a checkpoint of any
-    layout, reading only the ranges this rank holds."""
+    layout, reading only the ranges this rank holds.
+
+    A new run from another run's weights (``train.init_from``) reads ``keys`` ("" alone: weights only,
+    Adam starts empty), sets Adam's step counter to ``adam_step`` and keeps its own LR schedule
+    (``schedule=False``)."""
     reader = UniversalReader(
         step_dir,
         parallel_state.get_tensor_model_parallel_world_size(),
@@ -75,15 +87,31 @@ def load(engine, model, step_dir: Path, step: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             reader.split_of(name)  # a parameter the checkpoint lacks is an error naming it
+            _check_shape(reader, name, p, step_dir)
             for owned in masters.owned(p):
-                for key in KEYS:
+                for key in keys:
                     piece = reader.read_flat(name, key, owned.start, owned.numel)
                     owned.dest[key].copy_(piece)
                     if not key and "lp" in owned.dest:
                         owned.dest["lp"].copy_(piece)
                     del piece
-    masters.finish_load(step)
-    _set_schedule(engine.lr_scheduler, step)
+    masters.finish_load(step if adam_step is None else adam_step)
+    if schedule:
+        _set_schedule(engine.lr_scheduler, step)
+
+
+def _check_shape(reader: UniversalReader, name: str, p, step_dir: Path) -> None:
+    """The saved tensor, split for this layout, must have the parameter's (TP-local) shape: another
+    model.* section (or a learned position table of another model.seq_len) is an error naming it."""
+    from .errors import CheckpointError
+
+    want = list(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3: the shape before partitioning
+    got = reader.local_shape(name)
+    if got != want:
+        raise CheckpointError(
+            f"{step_dir}: parameter {name} has shape {got} there (this TP rank's slice) but {want} in this "
+            "model; the model sections differ"
+        )
 
 
 # ---- merging and re-splitting (whole tensors: export, tests) -------------------------------------------

@@ -43,7 +43,7 @@ class ParallelSelfAttention(nn.Module):
                 pos_base=g.pos_base,
                 abs_base=g.abs_base,
                 key_bias=g.key_bias,
-                training_seq_len=cfg.seq_len,
+                training_seq_len=cfg.goat.train_len or cfg.seq_len,
                 prior_init=g.prior_init,
                 head_offset=tp_rank * self.local_kv_heads,
                 total_kv_heads=kv_heads,

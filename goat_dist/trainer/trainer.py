@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 
 from .. import distributed
 from ..atomic import atomic_write_text
-from ..checkpoint import CheckpointError, CheckpointManager
+from ..checkpoint import CheckpointError, CheckpointManager, extension
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
@@ -88,6 +88,17 @@ class Trainer:
         self.grad_accum = gradient_accumulation(cfg, self.layout.dp)
         self.run_dir = cfg.run_dir
         self.state = RunState()
+        log = print if self.layout.is_main else (lambda *a, **k: None)
+        self.checkpoints = CheckpointManager(
+            self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
+        )
+        # where the run starts decides GOAT's L_train before the model exists: its own checkpoint
+        # (train.resume), else train.init_from (a new run from another run's weights), else nothing
+        self._start = self.checkpoints.choose_resume(cfg.train.resume)
+        self.init_source = None
+        if self._start is None and cfg.train.init_from:
+            self.init_source = extension.agree_on_source(cfg.train.init_from)
+        extension.resolve_train_len(cfg, self._start or self.init_source, log)
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial weights
         self.model = GPT(
             m,
@@ -96,13 +107,9 @@ class Trainer:
         )
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
-        log = print if self.layout.is_main else (lambda *a, **k: None)
         self.sources = data_sources(cfg, self.layout, log=log)
         self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
-        self.checkpoints = CheckpointManager(
-            self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
-        )
         self.contract = data_contract.data_contract(cfg, self.sources)
         self.resumed_from = self._resume()
         self.signals = StopSignals()
@@ -113,10 +120,25 @@ class Trainer:
         """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path.
 
         Rank 0 decides and every rank checks it sees that checkpoint (``CheckpointManager.choose_resume``);
-        checkpoints newer than the starting point leave this run's lineage (``CheckpointManager.begin``)."""
-        path = self.checkpoints.choose_resume(self.cfg.train.resume)
+        checkpoints newer than the starting point leave this run's lineage (``CheckpointManager.begin``).
+        Without one, ``train.init_from`` gives a new run (step 0) another run's weights."""
+        path = self._start
         if path is None:
             self.checkpoints.begin(None, 0)
+            if self.init_source is not None:
+                info = extension.init_weights(
+                    self.engine,
+                    self.engine.module,
+                    self.init_source,
+                    self.cfg.train.init_optimizer,
+                    self.layout.is_main,
+                )
+                if self.layout.is_main:
+                    carried = "weights and Adam state" if info["optimizer"] else "weights (Adam starts empty)"
+                    print(
+                        f"initialized from {info['path']} (step {info['step']}): {carried}; a new run from "
+                        f"step 0, GOAT train_len {self.cfg.model.goat.train_len}"
+                    )
             return None
         saved = self.checkpoints.load(self.engine, path, self.layout_record())
         self.checkpoints.begin(path, saved["step"])
@@ -157,6 +179,7 @@ class Trainer:
             )
         trainer_state = {
             "step": self.state.step,
+            "init_from": None if self.init_source is None else str(self.init_source),
             "run_state": self.state.state_dict(),
             "data_contract": self.contract,
             **self.layout_record(),
@@ -219,6 +242,7 @@ class Trainer:
             "params_per_rank": [int(c) for c in counts],
             "device": str(lay.device),
             "position": cfg.model.position,
+            "init_from": None if self.init_source is None else str(self.init_source),
             "attention_backend": self.model.blocks[0].attn.backend,
         }
         from ..observe.flops import flops_per_token

@@ -1,0 +1,106 @@
+"""Context extension (``train.init_from``): a second stage at a longer ``model.seq_len`` starts a new run
+from the first stage's checkpoint, keeps GOAT's L_train (``model.goat.train_len``) and trains. One process,
+in-process Trainers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from multiproc import in_process_config, per_step
+
+from goat_dist.checkpoint import CheckpointError, universal
+from goat_dist.config import ConfigError, load_config
+from goat_dist.trainer import Trainer
+
+STAGE1_LEN, STAGE2_LEN = 32, 64
+
+
+def saved_config(step_dir) -> dict:
+    return yaml.safe_load((step_dir / "config.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def stage1(world1, builtin_cache, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("stage1")
+    cfg = in_process_config(
+        builtin_cache,
+        run_dir,
+        f"model.seq_len={STAGE1_LEN}",
+        "train.max_steps=6",
+        "train.warmup_steps=1",
+        "log.interval=1",
+    )
+    Trainer(cfg).fit()
+    step_dir = run_dir / "checkpoints" / "step_00000006"
+    assert saved_config(step_dir)["model"]["goat"]["train_len"] == STAGE1_LEN  # resolved and saved
+    return step_dir
+
+
+def prior_train_lens(trainer) -> set[int]:
+    return {block.attn.prior.training_seq_len for block in trainer.model.blocks}
+
+
+@pytest.mark.parametrize("init_optimizer", [False, True])
+def test_extension_stage_keeps_train_len_and_trains(stage1, builtin_cache, tmp_path, init_optimizer):
+    run_dir = tmp_path / "stage2"
+    cfg = in_process_config(
+        builtin_cache,
+        run_dir,
+        f"model.seq_len={STAGE2_LEN}",
+        "train.max_steps=4",
+        "train.lr=1e-3",
+        "train.warmup_steps=2",
+        f"train.init_from={stage1.parent.parent}",  # a run dir: its latest checkpoint
+        f"train.init_optimizer={str(init_optimizer).lower()}",
+        "log.interval=1",
+    )
+    trainer = Trainer(cfg)
+    assert trainer.state.step == 0 and trainer.init_source == stage1
+    assert prior_train_lens(trainer) == {STAGE1_LEN}
+    # the weights are stage 1's fp32 masters; Adam's moments only with init_optimizer
+    saved, _ = universal.read_full(stage1, ("", "exp_avg"))
+    state = trainer.engine.optimizer.state
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), saved[name][""]), name
+        moment = state[p]["exp_avg"] if p in state and "exp_avg" in state[p] else torch.zeros_like(p)
+        expected = saved[name]["exp_avg"] if init_optimizer else torch.zeros_like(p)
+        assert torch.equal(moment, expected), name
+    assert trainer.engine.get_lr()[0] == pytest.approx(1e-3 / 2)  # its own schedule, from step 0
+    trainer.fit()
+    losses = [loss for loss, _ in per_step(run_dir).values()]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    first_stage = [loss for loss, _ in per_step(stage1.parent.parent).values()]
+    assert losses[0] < first_stage[0] - 0.05, (losses, first_stage)  # not a fresh model's loss
+    step_dir = run_dir / "checkpoints" / "step_00000004"
+    assert saved_config(step_dir)["model"]["goat"]["train_len"] == STAGE1_LEN
+    assert saved_config(step_dir)["model"]["seq_len"] == STAGE2_LEN
+
+    # a preempted stage 2 resumes itself (not stage 1 again) and keeps the same train_len
+    resumed = Trainer(
+        in_process_config(
+            builtin_cache,
+            run_dir,
+            f"model.seq_len={STAGE2_LEN}",
+            "train.max_steps=5",
+            f"train.init_from={stage1}",
+        )
+    )
+    assert resumed.state.step == 4 and resumed.init_source is None
+    assert prior_train_lens(resumed) == {STAGE1_LEN}
+
+
+def test_fresh_run_train_len_is_its_seq_len(world1, builtin_cache, tmp_path):
+    trainer = Trainer(in_process_config(builtin_cache, tmp_path, "model.seq_len=48", "train.max_steps=1"))
+    assert prior_train_lens(trainer) == {48}
+    assert trainer.cfg.model.goat.train_len == 48
+
+
+def test_init_from_another_model_is_refused(stage1, builtin_cache, tmp_path):
+    cfg = in_process_config(builtin_cache, tmp_path, "model.hidden_size=128", f"train.init_from={stage1}")
+    with pytest.raises(CheckpointError, match="has shape .* but .* in this model"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match="model.goat.train_len must be >= 1"):
+        load_config(None, ["model.goat.train_len=0"])
