@@ -109,3 +109,19 @@ def test_per_head_prior_parameters_are_tagged_tensor_parallel(world1):
         assert getattr(p, "tensor_model_parallel", False) is split, name
         if split:
             assert (p.partition_dim, p.partition_stride) == (0, 1), name
+
+
+@pytest.mark.parametrize("heads", [4, 6, 12])
+def test_alibi_slopes_follow_press_et_al_and_build_on_meta(heads):
+    """Geometric slopes 2^(-8i/n) for a power of two; otherwise the closest power's slopes, then every other
+    slope of twice that count (the ALiBi paper's rule). Plain floats: a meta default device works."""
+    from goat_dist.attention.prior import alibi_slopes
+
+    def geometric(n):
+        return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(heads))
+    expected = geometric(closest) + geometric(2 * closest)[0::2][: heads - closest]
+    assert torch.allclose(alibi_slopes(heads), torch.tensor(expected), rtol=0, atol=1e-7)
+    with torch.device("meta"):
+        assert alibi_slopes(heads).device.type == "cpu"

@@ -45,12 +45,13 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
         return [start * start**i for i in range(n)]
 
+    # Plain floats throughout: no tensor round trip, so this works under a meta-device default too.
     if math.log2(n_heads).is_integer():
         slopes = power_of_2(n_heads)
     else:
         closest = 2 ** math.floor(math.log2(n_heads))
-        slopes = power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n_heads - closest].tolist()
-    return torch.tensor(slopes, dtype=torch.float32)
+        slopes = power_of_2(closest) + power_of_2(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32, device="cpu")
 
 
 def prior_lane_count(pos_rank: int, key_bias: bool) -> int:
