@@ -276,3 +276,29 @@ def test_skip_logs_the_shard(corrupt_copy, caplog):
     with caplog.at_level(logging.WARNING, logger="goat_dist.data"):
         batches(loader([root], on_error="skip", shuffle_buffer=0), 150)
     assert any(name in r.getMessage() for r in caplog.records)
+
+
+LEAKED_LOADER = """
+import itertools, sys, torch
+from torch.utils.data import IterableDataset
+from goat_dist.data.loader import _loader
+
+class Endless(IterableDataset):
+    def __iter__(self):
+        return (torch.tensor([i]) for i in itertools.count())
+
+it = iter(_loader(Endless(), num_workers=2, pin_memory=False))
+next(it)
+LEAK = it  # never shut down: still referenced when the interpreter exits
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_with_a_loader_never_shut_down_still_exits():
+    """Workers ignore SIGTERM (preemption safety), and multiprocessing's exit hook ends daemonic children with
+    SIGTERM, then joins them: without the loader's own exit hook this process would wait forever."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LEAKED_LOADER], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0 and "exiting" in out.stdout, out.stderr[-2000:]

@@ -49,6 +49,8 @@ are the same fixed subset at every evaluation.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from collections.abc import Iterator, Sequence
 
@@ -213,9 +215,35 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _kill_leftover_workers() -> None:
+    """atexit: end this process's daemonic children (DataLoader workers) still alive at interpreter exit.
+
+    Why: workers ignore SIGTERM (above), and multiprocessing's own exit hook ends daemonic children with
+    SIGTERM and then joins them, so a loader never shut down (an iterator still referenced at exit) would
+    make the process wait forever after its last line. This does what that hook does (daemonic children die
+    with their parent), with SIGKILL after a grace period; it is registered later, so it runs first."""
+    import multiprocessing
+
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    for proc in children:
+        proc.terminate()
+    for proc in children:
+        proc.join(timeout=1)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+
+
+@functools.cache
+def _register_worker_reaper() -> None:
+    atexit.register(_kill_leftover_workers)
+
+
 def _loader(dataset: PackedBatches, num_workers: int, pin_memory: bool) -> DataLoader:
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if num_workers:
+        _register_worker_reaper()
     return DataLoader(
         dataset,
         batch_size=None,
