@@ -423,3 +423,16 @@ def test_model_alibi_on_flash4_is_a_clear_error(world1, fa4):
     with pytest.raises(ValueError, match="position=alibi does not run on model.attention_backend=flash4"):
         flash4(torch.randint(0, 300, (1, 16)), torch.arange(16)[None])
     assert fa4.calls == []
+
+
+@pytest.mark.parametrize("position,expected", [("alibi", "flash"), ("goat", "flash4"), ("rope", "flash4")])
+def test_model_auto_passes_over_flash4_for_what_it_cannot_run(world1, monkeypatch, position, expected):
+    """The model hands its position scheme and head size to ``auto``: an ALiBi model on a Hopper GPU with
+    both kernels installed gets FlashAttention-2, not a FlashAttention-4 that would fail at its first step."""
+    from goat_dist.model import GPT
+
+    fake_machine(monkeypatch, (9, 0), fa4=True, fa2=True)
+    shape = dict(vocab_size=300, seq_len=16, num_layers=1, hidden_size=64, num_heads=2)
+    cfg = ModelConfig(**shape, position=position)
+    assert GPT(cfg).blocks[0].attn.backend == expected
+    assert GoatSelfAttention(64, 2, pos_rank=2).backend == "flash4"

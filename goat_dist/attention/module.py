@@ -70,7 +70,8 @@ class GoatSelfAttention(nn.Module):
                 f"head_dim {self.head_dim} leaves no content lanes after {self.prior.num_lanes} prior "
                 "lanes; lower pos_rank or raise embed_dim/num_heads"
             )
-        self.backend = resolve_backend(backend)
+        qk_dim = self.content_dim + self.prior.num_lanes
+        self.backend = resolve_backend(backend, position="goat", head_dim=qk_dim)
         width = grouped_qkv_width(kv_heads, self.group, self.content_dim, self.head_dim)
         self.qkv = nn.Linear(embed_dim, width, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)

@@ -30,7 +30,8 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads, self.local_kv_heads = heads // tp, kv_heads // tp
         self.group = heads // kv_heads
         self.head_dim = cfg.hidden_size // heads
-        self.backend = resolve_backend(cfg.attention_backend)
+        # auto passes over a kernel that cannot run this position scheme or head size (flash4: ALiBi)
+        self.backend = resolve_backend(cfg.attention_backend, position=cfg.position, head_dim=self.head_dim)
         self.prior = None
         self.checkpoint_core = False
         self.content_dim = self.head_dim
