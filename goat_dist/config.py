@@ -64,7 +64,7 @@ class ModelConfig:
     bias: bool = False
     tie_embeddings: bool = True
     position: str = "goat"  # goat | rope | alibi | none | learned
-    attention_backend: str = "auto"  # auto | flash | sdpa | eager
+    attention_backend: str = "auto"  # auto | flash4 | flash | sdpa | eager
     rope_base: float = 10_000.0
     init_std: float = 0.02
     dropout: float = 0.0
