@@ -47,11 +47,13 @@ def reference_losses(tmp_path_factory, builtin_cache):
     return out
 
 
+# One launch per distinct code path (each launch costs ~25 s of process start on 2 cores): plain TP=2 GOAT is
+# inside the TP x DP runs, ZeRO-1/2 over DP inside TP x DP, SP inside the selective-checkpointing run (and
+# the gradient test below), full checkpointing inside the DP ZeRO-3 run.
 LAYOUTS = [
-    ("tp2", 2, ["parallel.tp=2"]),
-    ("tp2-sp", 2, ["parallel.tp=2", "parallel.sp=true"]),
     ("tp4", 4, ["parallel.tp=4"]),
-    *[(f"dp2-zero{z}", 2, [f"parallel.zero_stage={z}"]) for z in range(4)],
+    ("dp2-zero0", 2, ["parallel.zero_stage=0"]),
+    ("dp2-zero3-full-ckpt", 2, ["parallel.zero_stage=3", "train.activation_checkpointing=full"]),
     *[(f"tp2xdp2-zero{z}", 4, ["parallel.tp=2", f"parallel.zero_stage={z}"]) for z in (1, 2, 3)],
     ("tp2-rope", 2, ["parallel.tp=2", "model.position=rope"]),
     ("tp2-alibi", 2, ["parallel.tp=2", "model.position=alibi"]),
@@ -60,7 +62,6 @@ LAYOUTS = [
         2,
         ["parallel.tp=2", "parallel.sp=true", "train.activation_checkpointing=selective"],
     ),
-    ("dp2-full-ckpt", 2, ["train.activation_checkpointing=full"]),
 ]
 
 
@@ -79,7 +80,6 @@ BF16_LOSS_RTOL = 2e-4
 BF16_GRAD_NORM_RTOL = 2e-2
 BF16_LAYOUTS = [
     pytest.param("dp2-zero0", 2, ["parallel.zero_stage=0"], id="dp2-zero0"),
-    pytest.param("dp2-zero2", 2, ["parallel.zero_stage=2"], id="dp2-zero2"),
     pytest.param("dp2-zero3", 2, ["parallel.zero_stage=3"], id="dp2-zero3"),
     # bf16 + ZeRO-0 + TP: DeepSpeed's unfused optimizer computes the gradient norm (parallelize.py)
     pytest.param("tp2", 2, ["parallel.tp=2"], id="tp2"),
