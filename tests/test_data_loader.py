@@ -302,3 +302,4 @@ def test_a_process_with_a_loader_never_shut_down_still_exits():
 
     out = subprocess.run([sys.executable, "-c", LEAKED_LOADER], capture_output=True, text=True, timeout=90)
     assert out.returncode == 0 and "exiting" in out.stdout, out.stderr[-2000:]
+    assert "Exception ignored in atexit" not in out.stderr, out.stderr[-2000:]

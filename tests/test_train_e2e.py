@@ -38,7 +38,7 @@ def test_train_writes_run_dir_and_learns(tmp_path, builtin_cache):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "layout: world 1 = TP 1 x DP 1" in proc.stdout
+    assert "layout: world 1 = TP 1 x CP 1 x DP 1" in proc.stdout
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["train"]["max_steps"] == 30 and cfg["model"]["hidden_size"] == 128
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -223,15 +223,21 @@ def _kill_leftover_workers() -> None:
     make the process wait forever after its last line. This does what that hook does (daemonic children die
     with their parent), with SIGKILL after a grace period; it is registered later, so it runs first."""
     import multiprocessing
+    import signal
 
     children = [p for p in multiprocessing.active_children() if p.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler raises "DataLoader worker ... is killed" at the first death: not an error here
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for proc in children:
         proc.terminate()
     for proc in children:
         proc.join(timeout=1)
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout=10)
+    for proc in children:
+        proc.join(timeout=10)
 
 
 @functools.cache
