@@ -4,7 +4,7 @@ Why: `goat-dist train` must run out of the box, offline, on any machine. The doc
 the same pipeline as `prepare` (`prepare.write_shards`: same val split hash, same encoding and
 sample keys), in this process. The val documents are chosen first, by count (at least one, so
 validation has data even on a tiny corpus), and the tokenizer is trained on the rest. The build
-takes seconds, is cached under `cache_dir/builtin-stdlib-v{vocab_size}` and appears there
+takes seconds, is cached under `cache_dir/builtin-stdlib-v{vocab_size}[-{max_bytes}b]` and appears there
 atomically: it is built in a temporary sibling directory and renamed into place only when
 complete, so a crash never leaves a half data set and concurrent builders are safe (the first
 rename wins).
@@ -30,9 +30,25 @@ from goat_dist.atomic import fsync_dir, sha256_file
 SHARD_SIZE_MB = 1  # small shards so the per-epoch shard shuffle means something on an ~8 MB corpus
 
 
-def builtin_dataset_dir(cache_dir: str | os.PathLike, vocab_size: int) -> Path:
-    """Where the builtin data set for `vocab_size` lives (or will live) under `cache_dir`."""
-    return Path(cache_dir).expanduser() / f"builtin-stdlib-v{vocab_size}"
+DEFAULT_MAX_BYTES = 8_000_000
+DEFAULT_VAL_FRACTION = 0.01
+
+
+def builtin_dataset_dir(
+    cache_dir: str | os.PathLike,
+    vocab_size: int,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+) -> Path:
+    """Where the builtin data set of these settings lives (or will live) under `cache_dir`: the default
+    size is `builtin-stdlib-v{vocab_size}`, any other size or split gets its own directory, so a smaller
+    build (tests use 1 MB) never stands in the way of the default one."""
+    name = f"builtin-stdlib-v{vocab_size}"
+    if max_bytes != DEFAULT_MAX_BYTES:
+        name += f"-{max_bytes}b"
+    if val_fraction != DEFAULT_VAL_FRACTION:
+        name += f"-val{val_fraction:g}"
+    return Path(cache_dir).expanduser() / name
 
 
 def val_count(n_docs: int, val_fraction: float) -> int:
@@ -111,8 +127,8 @@ def _check_existing(final: Path, max_bytes: int, val_fraction: float) -> None:
 def prepare_builtin_dataset(
     cache_dir: str | os.PathLike,
     vocab_size: int = 4096,
-    max_bytes: int = 8_000_000,
-    val_fraction: float = 0.01,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     log: Callable[[str], object] = print,
 ) -> Path:
     """Build (once) and return the directory of the built-in stdlib data set.
@@ -123,7 +139,7 @@ def prepare_builtin_dataset(
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    final = builtin_dataset_dir(cache_dir, vocab_size)
+    final = builtin_dataset_dir(cache_dir, vocab_size, max_bytes, val_fraction)
     if (final / MANIFEST_NAME).is_file():
         _check_existing(final, max_bytes, val_fraction)
         return final

@@ -305,7 +305,7 @@ def check_data(report: Report, cfg) -> None:
     if d.sources:
         paths = [str(s.get("path")) for s in d.sources]
     elif d.source == "builtin":
-        target = builtin_dataset_dir(d.cache_dir, cfg.model.vocab_size)
+        target = builtin_dataset_dir(d.cache_dir, cfg.model.vocab_size, d.builtin_max_bytes)
         if (target / "manifest.json").is_file():
             report.ok("data", f"builtin corpus ready in {target}")
             return

@@ -210,9 +210,9 @@ def test_verify_shards_catches_truncation_at_member_boundary(tmp_path):
 def test_prepare_builtin_dataset_is_idempotent(tmp_path, texts):
     logs: list[str] = []
     d = prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES, log=logs.append)
-    assert d == tmp_path / "builtin-stdlib-v512"
+    assert d == tmp_path / "builtin-stdlib-v512-300000b"  # a non-default size has a directory of its own
     assert logs and any("tokens" in line for line in logs)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin-stdlib-v512"]  # no temp dirs left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [d.name]  # no temp dirs left
     manifest = read_manifest(d)
     assert manifest["vocab_size"] == 512 and manifest["dtype"] == "uint16"
     assert manifest["tokenizer_sha256"] == sha256_file(d / "tokenizer.json")
@@ -234,8 +234,7 @@ def test_prepare_builtin_dataset_is_idempotent(tmp_path, texts):
     assert time.perf_counter() - t0 < 1.0
     assert again == d and read_manifest(again) == manifest
 
-    with pytest.raises(ValueError, match="max_bytes"):
-        prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES + 1, log=logs.append)
+    assert builtin_mod.builtin_dataset_dir(tmp_path, 512, SMALL_BYTES + 1) != d  # another size, another dir
 
     batch = next(
         iter(build_train_loader([str(d)], seq_len=64, micro_batch_size=2, dp_rank=0, dp_size=1, seed=0))
@@ -252,3 +251,19 @@ def test_prepare_builtin_dataset_crash_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="mid-build"):
         prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES, log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_builtin_sizes_live_side_by_side(tmp_path):
+    """A smaller build (what the tests use) never blocks the default build in the same cache directory:
+    each size has its own directory, and a directory's own settings are still checked on reuse."""
+    from data_tools.builtin import builtin_dataset_dir
+
+    assert builtin_dataset_dir(tmp_path, 4096).name == "builtin-stdlib-v4096"  # the default's name is kept
+    small = prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=150_000, log=lambda *a: None)
+    other = prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=SMALL_BYTES, log=lambda *a: None)
+    assert small != other and read_manifest(small)["source"]["max_bytes"] == 150_000
+    assert read_manifest(other)["source"]["max_bytes"] == SMALL_BYTES
+    assert prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=150_000, log=lambda *a: None) == small
+    (small / "manifest.json").write_text((other / "manifest.json").read_text())  # settings changed under it
+    with pytest.raises(ValueError, match="was built with"):
+        prepare_builtin_dataset(tmp_path, vocab_size=512, max_bytes=150_000, log=lambda *a: None)

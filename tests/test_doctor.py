@@ -102,7 +102,7 @@ def test_disk_too_small_fails(tmp_path, monkeypatch, capsys):
 def test_data_checks(tmp_path, builtin_cache, capsys):
     from goat_dist.data import builtin_dataset_dir
 
-    shards = builtin_dataset_dir(builtin_cache, 4096)
+    shards = builtin_dataset_dir(builtin_cache, 4096, 1_000_000)
     r = report()
     doctor.check_data(r, load_config(None, [f"data.source={shards}"]))
     assert not r.failed and "1 source(s) reachable" in r.lines[-1]
@@ -112,7 +112,8 @@ def test_data_checks(tmp_path, builtin_cache, capsys):
     assert r.failed == {"data"} and "manifest not found" in capsys.readouterr().err
 
     r = report()  # builtin, already built
-    doctor.check_data(r, load_config(None, [f"data.cache_dir={builtin_cache}"]))
+    built = [f"data.cache_dir={builtin_cache}", "data.builtin_max_bytes=1000000"]
+    doctor.check_data(r, load_config(None, built))
     assert not r.failed and "ready" in r.lines[-1]
 
     blocker = tmp_path / "file"

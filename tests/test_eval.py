@@ -98,7 +98,7 @@ def test_learned_positions_cannot_extrapolate(world1, tmp_path, builtin_cache):
         {k: v.detach().contiguous() for k, v in model.named_parameters()}, str(export / "model.safetensors")
     )
     (export / "config.json").write_text(json.dumps(asdict(cfg)))
-    data = builtin_dataset_dir(builtin_cache, 4096)
+    data = builtin_dataset_dir(builtin_cache, 4096, 1_000_000)
     proc = run(
         eval_command(1, "ppl", "--checkpoint", str(export), "--lengths", "32,64", "--data", str(data)),
         expect=2,

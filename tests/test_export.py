@@ -71,7 +71,7 @@ def test_generate_smoke(world1, builtin_cache, tmp_path):
     )
     torch.manual_seed(0)
     model = GPT(cfg.model).eval()
-    tokenizer = load_tokenizer(builtin_dataset_dir(builtin_cache, 4096) / "tokenizer.json")
+    tokenizer = load_tokenizer(builtin_dataset_dir(builtin_cache, 4096, 1_000_000) / "tokenizer.json")
     text = generate(model, tokenizer, "def read(path):", max_new_tokens=5)
     assert text.startswith("def read(path):") and len(tokenizer.encode(text).ids) > len(
         tokenizer.encode("def read(path):").ids

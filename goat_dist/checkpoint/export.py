@@ -57,7 +57,11 @@ def _tokenizer_of(config: dict) -> Path | None:
     if data.get("source") == "builtin" and not data.get("sources"):
         from data_tools.builtin import builtin_dataset_dir
 
-        candidate = builtin_dataset_dir(Path(data["cache_dir"]).expanduser(), config["model"]["vocab_size"])
+        candidate = builtin_dataset_dir(
+            Path(data["cache_dir"]).expanduser(),
+            config["model"]["vocab_size"],
+            *([data["builtin_max_bytes"]] if "builtin_max_bytes" in data else []),
+        )
     else:
         candidate = Path(data.get("source", "")).expanduser()
     path = candidate / TOKENIZER_NAME
