@@ -105,7 +105,8 @@ def main() -> None:
     goat, goat_params = make_step(args, "goat", tokens)
     lanes = prior_lane_count(ModelConfig().goat.pos_rank, True)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU, SDPA, AdamW; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU, SDPA, AdamW, "
+        f"{args.clock} clock; "
         f"h={args.hidden} layers={args.layers} heads={args.heads} (head dim {args.hidden // args.heads}, "
         f"GOAT {lanes} prior lanes) V={args.vocab} b={args.batch} s={args.seq}; params rope "
         f"{rope_params / 1e6:.3f}M, goat {goat_params / 1e6:.3f}M"
