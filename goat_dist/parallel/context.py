@@ -10,8 +10,8 @@ lanes, RoPE, ALiBi, document masking), document segments, GOAT's recency origin,
 Attention: all-gather of K/V (the Llama-3 way). Each rank projects q/k/v for its own tokens only, folds
 GOAT's prior lanes into its own q/k (a token's lanes depend only on its global position and the row's
 origin), and all-gathers the folded keys and the values over the CP group with a differentiable gather
-(``torch.distributed.nn.functional.all_gather``; its backward sums the key/value gradients of every rank
-back to the rank that owns the tokens, a reduce-scatter). Each local query chunk then attends its key
+(``_AllGather``: all-gather forward; its backward, a reduce-scatter, sums the key/value gradients of every
+rank back to the rank that owns the tokens). Each local query chunk then attends its key
 prefix ``[0, start + c)`` with the causal mask aligned bottom-right (query ``start + i`` sees keys
 ``<= start + i``), so no rank materialises more than its own rows:
 
