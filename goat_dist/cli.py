@@ -36,8 +36,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     from .distributed import exit_process
     from .trainer import run
+    from .trainer.entry import USER_ERRORS, exit_code_for
     from .trainer.signals import EXIT_CHECKPOINTED
-    from .trainer.trainer import USER_ERRORS, exit_code_for
 
     try:
         state = run(cfg)

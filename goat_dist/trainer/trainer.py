@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -16,8 +13,7 @@ import yaml
 from megatron.core import parallel_state
 
 from .. import distributed
-from ..atomic import atomic_write_text
-from ..checkpoint import CheckpointError, CheckpointManager, extension
+from ..checkpoint import CheckpointManager, extension
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
@@ -25,10 +21,11 @@ from . import data_contract, nonfinite
 from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .control import StepControl, agree
-from .deadline import Deadline, DeadlineError
+from .deadline import Deadline
+from .faults import fault_due, fault_hook
 from .memory import training_state_bytes
 from .parallelize import parallelize
-from .signals import EXIT_CHECKPOINTED, StopSignals
+from .signals import StopSignals
 from .state import RunState
 
 
@@ -188,7 +185,7 @@ class Trainer:
             self.engine,
             trainer_state,
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
-            fault_hook=_fault_hook,
+            fault_hook=fault_hook,
         )
         self._last_save_time = time.monotonic()
         self._last_save_s = trainer_state["last_save_s"]
@@ -321,7 +318,7 @@ class Trainer:
                 # (the first creates the optimizer state).
                 self._emit("on_memory", self.measure_memory())
             self.engine.step()
-        if _fault_due("nonfinite_weights", self.state.step + 1):
+        if fault_due("nonfinite_weights", self.state.step + 1):
             with torch.no_grad():
                 next(self.engine.module.parameters()).view(-1)[0] = float("nan")
         return control
@@ -329,9 +326,9 @@ class Trainer:
     def _forward(self, tokens, positions, labels, micro: int) -> torch.Tensor:
         loss = self.engine(tokens, positions, labels)
         step, rank = self.state.step + 1, self.layout.dp_rank
-        if _fault_due("nonfinite", step, micro, rank):
+        if fault_due("nonfinite", step, micro, rank):
             loss = loss * float("nan")  # test hook: a NaN in this micro-batch's forward
-        if _fault_due("nonfinite_grad", step, micro, rank):  # test hook: finite loss, NaN gradient
+        if fault_due("nonfinite_grad", step, micro, rank):  # test hook: finite loss, NaN gradient
             weight = next(self.engine.module.parameters())
             loss = loss + (weight.sum() * 0).sqrt()  # value 0, gradient 0 * inf
         return loss
@@ -484,71 +481,3 @@ class Trainer:
             if reason:
                 state.stop_requested = reason
                 return
-
-
-def _fault_due(point: str, step: int, micro: int = 0, dp_rank: int = 0) -> bool:
-    """Test hooks, ``GOAT_FAULT=<point>:<step>[:<micro>[:<dp_rank>]]`` (micro-batch and DP rank default to
-    0; ``<step>`` may be a range ``a-b``). Points: ``nonfinite`` (a NaN in that micro-batch's loss),
-    ``nonfinite_grad`` (a finite loss whose gradient is NaN),
-    ``nonfinite_weights`` (a NaN written into the weights after that step's update), ``before_publish``."""
-    spec = os.environ.get("GOAT_FAULT", "").split(":")
-    if spec[0] != point or len(spec) < 2:
-        return False
-    first, _, last = spec[1].partition("-")
-    where = [int(x) for x in spec[2:]] + [0, 0]
-    return int(first) <= step <= int(last or first) and (micro, dp_rank) == tuple(where[:2])
-
-
-def _fault_hook(point: str, step_dir: Path) -> None:
-    """Test hook: ``GOAT_FAULT=before_publish:<step>`` kills the process after the shards of that step are
-    written and before the checkpoint is published (a crash mid-save)."""
-    if _fault_due(point, int(step_dir.name.split("_")[1])):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def run(cfg: Config) -> RunState:
-    """Entry point of ``goat-dist train``: train, then tear the process groups down cleanly.
-
-    Rank 0 records how the process ended in ``<run_dir>/last_exit.json`` (``status`` finished,
-    checkpointed or failed, ``reason``, ``step``, ``exit_code``): a job script decides on requeueing from
-    it, since a launcher such as torchrun replaces the workers' exit codes with its own."""
-    trainer = None
-    try:
-        trainer = Trainer(cfg)
-        state = trainer.fit()
-    except BaseException as e:
-        distributed.teardown(barrier=False)
-        step = trainer.state.step if trainer is not None else None
-        _record_exit(cfg, "failed", f"{type(e).__name__}: {e}", step, exit_code_for(e))
-        raise
-    distributed.teardown()
-    if state.stop_requested:
-        _record_exit(cfg, "checkpointed", state.stop_requested, state.step, EXIT_CHECKPOINTED)
-    else:
-        _record_exit(cfg, "finished", None, state.step, 0)
-    return state
-
-
-# errors that are the user's to fix (config, layout, checkpoint, data): exit 2, like a usage error
-USER_ERRORS = (
-    LayoutError,
-    CheckpointError,
-    data_contract.DataContractError,
-    nonfinite.NonFiniteError,
-    DeadlineError,
-)
-
-
-def exit_code_for(error: BaseException) -> int:
-    return 2 if isinstance(error, USER_ERRORS) else 1
-
-
-def _record_exit(cfg: Config, status: str, reason: str | None, step: int | None, exit_code: int) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    record = {"status": status, "reason": reason, "step": step, "exit_code": exit_code, "time": time.time()}
-    try:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cfg.run_dir / "last_exit.json", json.dumps(record, indent=1))
-    except OSError as e:  # never mask the run's own error
-        print(f"could not write {cfg.run_dir / 'last_exit.json'}: {e}")
