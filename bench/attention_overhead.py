@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import CLOCKS, add_clock_args, apply_threads
 
 from goat_dist.attention import GoatPrior, goat_attention
 
@@ -27,7 +28,6 @@ def plain_sdpa(q, k, v):
     ).transpose(1, 2)
 
 
-CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def time_fwd_bwd(fn, inputs, clock=time.perf_counter) -> float:
@@ -69,16 +69,9 @@ def main() -> None:
     ap.add_argument("--pos-rank", type=int, default=4)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="process: CPU seconds of this process, steadier than wall time on a shared, loaded machine",
-    )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_clock_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     lanes = GoatPrior(1, pos_rank=args.pos_rank).num_lanes
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} H={args.heads} "

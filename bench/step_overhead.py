@@ -23,6 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore", module="megatron")
 
 import torch  # noqa: E402
+from timing import CLOCKS, add_clock_args, apply_threads  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.attention.prior import prior_lane_count  # noqa: E402
@@ -55,7 +56,6 @@ def make_step(args, position: str, tokens: torch.Tensor):
     return step, sum(p.numel() for p in model.parameters())
 
 
-CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def timed(step, steps: int, clock=time.perf_counter) -> float:
@@ -88,16 +88,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table for each side")
     ap.add_argument("--profile-rows", type=int, default=20)
-    ap.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="process: CPU seconds of this process, steadier than wall time on a shared, loaded machine",
-    )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_clock_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     distributed.init(tp=1)
     torch.manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq))

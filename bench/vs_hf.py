@@ -29,6 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore", module="megatron")
 
 import torch  # noqa: E402
+from timing import CLOCKS, add_clock_args, apply_threads  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
@@ -94,7 +95,6 @@ def make_step(model, kind: str, tokens: torch.Tensor):
     return step
 
 
-CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def timed(step, steps: int, clock=time.perf_counter) -> float:
@@ -115,16 +115,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timed repeat")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="process: CPU seconds of this process, steadier than wall time on a shared, loaded machine",
-    )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_clock_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     import transformers
 
     distributed.init(tp=1)

@@ -1,0 +1,27 @@
+"""What the timing benchmarks share: the clock choice and the thread count, as command-line flags.
+
+Imported by the scripts next to it (``python bench/<script>.py`` puts this folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def add_clock_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="process: CPU seconds of this process, steadier than wall time on a shared, loaded machine",
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
