@@ -11,7 +11,6 @@ log-sum-exp against explicit float64 math. On a GPU the real kernel runs in ``te
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from flash4_standin import Flash4Standin, head_dims_supported, installed
 from flash_standin import FlashStandin
 from flash_standin import installed as installed_fa2
-from test_flash_paths import GOAT_CASES, assert_grads_close
+from test_flash_paths import GOAT_CASES, assert_goat_backend_matches_sdpa, assert_grads_close
 
 from goat_dist.attention import GoatPrior, GoatSelfAttention, kernels
 from goat_dist.attention.kernels import attend, document_segments, flash4_head_dims, resolve_backend
@@ -257,26 +256,7 @@ def test_flash_still_means_flash_attn_2(monkeypatch):
 @pytest.mark.parametrize("kv,R,M,key_bias,offset,content_dim", GOAT_CASES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_goat_flash4_matches_sdpa(fa4, kv, R, M, key_bias, offset, content_dim, causal):
-    torch.manual_seed(0)
-    sdpa = GoatSelfAttention(
-        128, 4, kv, pos_rank=R, abs_rank=M, key_bias=key_bias, backend="sdpa", content_dim=content_dim
-    )
-    with torch.no_grad():  # prior terms of trained size, so a folding slip would show
-        for p in sdpa.prior.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    flash4 = copy.deepcopy(sdpa)
-    flash4.backend = "flash4"
-    x = torch.randn(2, 40, 128)
-    pos = torch.arange(40) + offset
-    xs, xf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ys, yf = sdpa(xs, pos, causal=causal), flash4(xf, pos, causal=causal)
-    assert fa4.calls == ["flash_attn_func"]
-    assert (ys - yf).abs().max().item() <= 1e-5
-    g = torch.randn_like(ys)
-    ys.backward(g)
-    yf.backward(g)
-    assert (xs.grad - xf.grad).abs().max().item() <= 1e-5
-    assert_grads_close(sdpa, flash4)
+    assert_goat_backend_matches_sdpa("flash4", fa4, kv, R, M, key_bias, offset, content_dim, causal)
 
 
 def test_v_wider_than_the_kernel_takes_runs_in_slices():
