@@ -10,6 +10,8 @@ import os
 import sys
 import warnings
 
+from .config import add_config_arguments
+
 
 def _quiet_third_party() -> None:
     """Silence import-time noise from megatron/deepspeed that says nothing the user can act on
@@ -54,10 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: the tiny GOAT model on the builtin corpus)")
-    train.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
-    train.add_argument(
-        "overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=runs/x"
-    )
+    add_config_arguments(train)
     train.set_defaults(func=cmd_train)
     from data_tools.cli import register as register_data
 

@@ -241,6 +241,12 @@ def parse_override(text: str) -> dict:
     return out
 
 
+def add_config_arguments(parser) -> None:
+    """``--config`` and the dotted overrides, as every command that builds a Config takes them."""
+    parser.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=x")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
     if path is not None:

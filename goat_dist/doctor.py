@@ -32,6 +32,8 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
+from .config import add_config_arguments
+
 # Bytes per parameter of one checkpoint: DeepSpeed's model + optimizer states (fp32 weights, fp32 master
 # copy or bf16 weights, Adam's two moments: ~16 B) and, with checkpoint.universal, the layout-independent
 # copy (fp32 value + exp_avg + exp_avg_sq: 12 B).
@@ -486,8 +488,7 @@ def register(sub) -> None:
         help="preflight: devices, all-reduce bandwidth, run dir, data, disk (exit 1 naming what fails)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
-    p.add_argument("overrides", nargs="*", help="the same dotted overrides as `goat-dist train`")
+    add_config_arguments(p)
     p.add_argument(
         "--allreduce-mb", type=float, default=None, help="all-reduce MiB (default 256 on CUDA, 16 on CPU)"
     )

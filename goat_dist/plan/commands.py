@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ..config import add_config_arguments
+
 
 def cmd_plan(args) -> int:
     from ..config import ConfigError, load_config
@@ -43,8 +45,7 @@ def register(sub) -> None:
         help="per-GPU memory, largest micro-batch, step time and MFU of a layout (no GPU needed)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
-    p.add_argument("overrides", nargs="*", help="the same dotted overrides as `goat-dist train`")
+    add_config_arguments(p)
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu", default="h100-80gb", help="h100-80gb (default), h200, a100-80gb, a100-40gb, b200")
