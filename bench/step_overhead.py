@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore", module="megatron")
 
 import torch  # noqa: E402
-from timing import CLOCKS, add_clock_args, apply_threads  # noqa: E402
+from timing import CLOCKS, add_clock_args, apply_threads, seconds_per_call  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.attention.prior import prior_lane_count  # noqa: E402
@@ -56,13 +55,6 @@ def make_step(args, position: str, tokens: torch.Tensor):
     return step, sum(p.numel() for p in model.parameters())
 
 
-
-
-def timed(step, steps: int, clock=time.perf_counter) -> float:
-    start = clock()
-    for _ in range(steps):
-        step()
-    return (clock() - start) / steps
 
 
 def profile(name: str, step, rows: int) -> None:
@@ -108,8 +100,8 @@ def main() -> None:
         rope(), goat()
     r_times, g_times = [], []
     for _ in range(args.repeats):
-        r_times.append(timed(rope, args.steps, CLOCKS[args.clock]))
-        g_times.append(timed(goat, args.steps, CLOCKS[args.clock]))
+        r_times.append(seconds_per_call(rope, args.steps, CLOCKS[args.clock]))
+        g_times.append(seconds_per_call(goat, args.steps, CLOCKS[args.clock]))
     ratio = statistics.median(g / r for g, r in zip(g_times, r_times))
     if args.profile:
         profile("RoPE", rope, args.profile_rows)

@@ -25,3 +25,11 @@ def add_clock_args(ap: argparse.ArgumentParser) -> None:
 def apply_threads(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+
+
+def seconds_per_call(fn, calls: int, clock=time.perf_counter) -> float:
+    """Mean seconds of ``fn()`` over ``calls`` back-to-back calls, on ``clock``."""
+    start = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - start) / calls

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore", module="megatron")
 
 import torch  # noqa: E402
-from timing import CLOCKS, add_clock_args, apply_threads  # noqa: E402
+from timing import CLOCKS, add_clock_args, apply_threads, seconds_per_call  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
@@ -97,13 +96,6 @@ def make_step(model, kind: str, tokens: torch.Tensor):
 
 
 
-def timed(step, steps: int, clock=time.perf_counter) -> float:
-    start = clock()
-    for _ in range(steps):
-        step()
-    return clock() - start
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -142,9 +134,9 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
-            times[name].append(timed(step, args.steps, CLOCKS[args.clock]))
+            times[name].append(seconds_per_call(step, args.steps, CLOCKS[args.clock]))
     tokens_per_step = args.batch * args.seq
-    tps = {n: [args.steps * tokens_per_step / t for t in ts] for n, ts in times.items()}
+    tps = {n: [tokens_per_step / t for t in ts] for n, ts in times.items()}
     print(f"{'model':<22} {'tokens/s (median)':>18} {'min':>9} {'max':>9} {'vs HF (paired)':>15}")
     ratios = {}
     labels = {"hf": "HF LlamaForCausalLM", "rope": "goat-dist rope", "goat": "goat-dist GOAT"}
