@@ -104,3 +104,13 @@ def test_init_from_another_model_is_refused(stage1, builtin_cache, tmp_path):
         Trainer(cfg)
     with pytest.raises(ConfigError, match="model.goat.train_len must be >= 1"):
         load_config(None, ["model.goat.train_len=0"])
+
+
+def test_a_rank_that_cannot_see_the_init_checkpoint_is_told_which_key_named_it(world1, tmp_path):
+    """The visibility check is shared with resume; its error names the key the user set."""
+    from goat_dist.checkpoint.errors import CheckpointError
+    from goat_dist.checkpoint.resume import agree_on_checkpoint
+
+    missing = tmp_path / "elsewhere" / "step_00000004"
+    with pytest.raises(CheckpointError, match=r"which train\.init_from=.*step_00000004 names"):
+        agree_on_checkpoint(str(missing), lambda: None, key="train.init_from")

@@ -65,7 +65,7 @@ def agree_on_source(init_from: str) -> Path:
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         raise CheckpointError(error or f"train.init_from={init_from} could not be resolved on rank 0")
-    return agree_on_checkpoint(mine, lambda: None)
+    return agree_on_checkpoint(mine, lambda: None, key="train.init_from")  # an error names that key
 
 
 def init_weights(engine, model, step_dir: Path, optimizer: bool, is_main: bool) -> dict:

@@ -45,7 +45,7 @@ def what_is_missing(step_dir: Path) -> str | None:
     return None
 
 
-def agree_on_checkpoint(choice: str, latest) -> Path | None:
+def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path | None:
     """Collective. ``choice``: ``train.resume`` (auto or a path; never is handled by the caller);
     ``latest``: a function giving this run dir's latest checkpoint, called on rank 0 only."""
     rank = dist.get_rank()
@@ -62,7 +62,7 @@ def agree_on_checkpoint(choice: str, latest) -> Path | None:
     blind = [r for r, f in enumerate(flags) if f.item()]
     if not blind:
         return path
-    source = "rank 0's checkpoints/latest" if choice == "auto" else f"train.resume={choice}"
+    source = "rank 0's checkpoints/latest" if choice == "auto" else f"{key}={choice}"
     if problem is not None:
         raise CheckpointError(
             f"rank {rank} cannot see checkpoint {path} ({problem}; resolved from {Path.cwd()}), which "

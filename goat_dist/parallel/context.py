@@ -26,7 +26,7 @@ prefix ``[0, start + c)`` with the causal mask aligned bottom-right (query ``sta
   mask / bias per chunk, through SDPA (or the eager kernel).
 
 Why all-gather and not a ring: K/V are ``2 · H_kv · D`` per token against ``~12 h^2`` of weights-side
-activations, the exchange is one collective per layer instead of ``cp - 1`` dependent steps, every
+activations, the exchange is two all-gathers per layer (K, V) instead of ``cp - 1`` dependent steps, every
 kernel is used unmodified, and document masks and ALiBi stay simple index arithmetic. The price is the
 whole row's K/V per rank (kept for backward), which is small next to the local activations for GQA models.
 
