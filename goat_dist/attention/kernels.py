@@ -353,9 +353,10 @@ def flash4_attention(q, k, v, *, causal: bool, scale: float, segments=None, retu
     outs, lse = [], None
     for first in range(0, dv, wv):  # one call unless v is wider than this GPU's kernel takes
         piece = _pad_to(v[..., first : first + wv], wv)
+        want_lse = return_lse and first == 0  # the same for every v slice: keep the first
         if segments is None:
             out, piece_lse = fa4.flash_attn_func(
-                q, k, piece, softmax_scale=scale, causal=causal, return_lse=return_lse
+                q, k, piece, softmax_scale=scale, causal=causal, return_lse=want_lse
             )
         else:
             out, piece_lse = fa4.flash_attn_varlen_func(
@@ -368,7 +369,7 @@ def flash4_attention(q, k, v, *, causal: bool, scale: float, segments=None, retu
                 max_seqlen_k=max_len,
                 softmax_scale=scale,
                 causal=causal,
-                return_lse=return_lse,
+                return_lse=want_lse,
             )
             out = out.view(B, L, *out.shape[1:])
         outs.append(out[..., : min(wv, dv - first)])
