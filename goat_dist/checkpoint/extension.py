@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import yaml
 
-from .errors import CheckpointError
+from .errors import CheckpointError, raise_on_every_rank
 from .names import STATE
 
 
@@ -61,10 +60,7 @@ def agree_on_source(init_from: str) -> Path:
             mine = str(resolve_step_dir(init_from))
         except CheckpointError as e:
             error = f"train.init_from={init_from}: {e}"
-    failed = torch.tensor([1 if error else 0])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise CheckpointError(error or f"train.init_from={init_from} could not be resolved on rank 0")
+    raise_on_every_rank(error, f"train.init_from={init_from} could not be resolved on rank 0")
     return agree_on_checkpoint(mine, lambda: None, key="train.init_from")  # an error names that key
 
 
@@ -86,10 +82,7 @@ def init_weights(engine, model, step_dir: Path, optimizer: bool, is_main: bool) 
             )
     except CheckpointError as e:
         error = str(e)
-    failed = torch.tensor([1 if error else 0])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise CheckpointError(error or f"checkpoint {step_dir} failed verification on another rank")
+    raise_on_every_rank(error, f"checkpoint {step_dir} failed verification on another rank")
     step = json.loads((step_dir / STATE).read_text())["step"]
     keys = universal.KEYS if optimizer else ("",)
     universal.load(

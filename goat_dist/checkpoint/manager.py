@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..atomic import atomic_write_text, file_problem, sha256_file
 from . import lineage, rng, universal
-from .errors import CheckpointError
+from .errors import CheckpointError, raise_on_every_rank
 from .names import LATEST, MANIFEST, STALE, STATE, tag_for
 from .resume import agree_on_checkpoint
 from .safe_load import load as safe_load
@@ -149,10 +149,7 @@ class CheckpointManager:
                 scan_pickles(step_dir, manifest.get("step"))
         except CheckpointError as e:
             error = str(e)
-        failed = torch.tensor([1 if error else 0])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks stop together, none loads a partial
-        if failed.item():
-            raise CheckpointError(error or f"checkpoint {step_dir} failed verification on another rank")
+        raise_on_every_rank(error, f"checkpoint {step_dir} failed verification on another rank")
         state = json.loads((step_dir / STATE).read_text())
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
         same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}
