@@ -73,7 +73,7 @@ def agree(
     host together (the step's one host sync). Context parallel: the CP ranks of a replica hold the same
     batch (fingerprint, skip count) and losses whose CP mean is the rows' mean, like TP peers.
     """
-    tp = tp * cp
+    peers = tp * cp  # ranks of one replica that hold the same batch
     loss, bad_loss, bad_grad = (
         torch.stack([loss_sum.detach().double(), nonfinite_loss.double(), nonfinite_grad.double()])
         .cpu()
@@ -95,9 +95,9 @@ def agree(
     v = vector.tolist()
     values = dict(zip(_FIELDS, v))
     return StepControl(
-        loss=values["loss"] / (tp * dp * micro_batches),
-        fingerprint=int(round(values["fingerprint"])) // tp % FINGERPRINT_MOD,
-        skipped=int(round(values["skipped"])) // tp,
+        loss=values["loss"] / (peers * dp * micro_batches),
+        fingerprint=int(round(values["fingerprint"])) // peers % FINGERPRINT_MOD,
+        skipped=int(round(values["skipped"])) // peers,
         nonfinite_loss=int(round(values["nonfinite_loss"])),
         nonfinite_grad=int(round(values["nonfinite_grad"])),
         signal=values["signal"] > 0,
