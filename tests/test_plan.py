@@ -87,3 +87,41 @@ def test_gpu_table():
     assert gpu("h100-80gb").peak_bf16 == 989.4e12 and gpu("a100-40gb").peak_bf16 == 312e12
     with pytest.raises(ValueError, match="known"):
         gpu("t4")
+
+
+def test_a_world_that_tp_x_cp_does_not_divide_is_refused():
+    cfg = load_config(ROOT / "configs/models/goat_1.3b.yaml", ["parallel.tp=2", "parallel.cp=2"])
+    with pytest.raises(PlanError, match=r"world size 6 is not divisible by tp x cp = 2 x 2"):
+        make_plan(cfg, 1, 6, gpu("h100-80gb"))
+
+
+def test_materialize_refuses_what_it_cannot_build(world1):
+    from goat_dist.plan.dry_run import materialize
+
+    cfg = load_config(ROOT / "configs/models/goat_125m.yaml", ["parallel.cp=2"])
+    with pytest.raises(PlanError, match="without a torch.distributed world"):  # world1 holds one here
+        materialize(cfg, 16, log=lambda *a: None)
+
+
+def test_materialize_says_cp_is_not_built_yet():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "goat_dist",
+            "plan",
+            "--config",
+            str(ROOT / "configs/models/goat_125m.yaml"),
+            "--nodes",
+            "2",
+            "--materialize",
+            "parallel.cp=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "parallel.cp > 1 is not built yet" in out.stderr, out.stderr[-2000:]
