@@ -114,3 +114,15 @@ def test_a_rank_that_cannot_see_the_init_checkpoint_is_told_which_key_named_it(w
     missing = tmp_path / "elsewhere" / "step_00000004"
     with pytest.raises(CheckpointError, match=r"which train\.init_from=.*step_00000004 names"):
         agree_on_checkpoint(str(missing), lambda: None, key="train.init_from")
+
+
+def test_an_explicit_train_len_that_differs_from_the_checkpoints_is_printed(tmp_path):
+    from goat_dist.checkpoint.extension import resolve_train_len
+
+    (tmp_path / "config.yaml").write_text("model:\n  seq_len: 256\n  goat:\n    train_len: 64\n")
+    kept = load_config(None, ["model.seq_len=512"])
+    assert resolve_train_len(kept, tmp_path, log=pytest.fail) == 64  # unset: the checkpoint's, silently
+    lines = []
+    changed = load_config(None, ["model.seq_len=512", "model.goat.train_len=512"])
+    assert resolve_train_len(changed, tmp_path, log=lines.append) == 512
+    assert len(lines) == 1 and "model.goat.train_len=512" in lines[0] and "replaces 64" in lines[0]
