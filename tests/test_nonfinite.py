@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from multiproc import goat_train_command, in_process_config, per_step, records, run
+from multiproc import ROOT, goat_train_command, in_process_config, launch_command, per_step, records, run
 
 from goat_dist.checkpoint.manager import write_manifest
 
@@ -137,3 +137,17 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
     trainer.state.step = 2
     assert not trainer.train_step(it).nonfinite  # gradients were cleared: nothing stale carries over
     assert any(not torch.equal(a, b) for a, b in zip(after, snapshot()))
+
+
+def test_zero3_padding_is_not_a_nonfinite_weight(tmp_path):
+    """DeepSpeed pads ZeRO-3 partitions with uninitialised memory; a NaN there once refused a final save of
+    a healthy DP=2 ZeRO-3 run (``blocks.0.attn.prior.sink_mlp.fc2.bias``, one element: rank 1 holds only
+    padding). NaN in every padding is ignored; an Inf in a real element is still named."""
+    out = tmp_path / "padding.json"
+    run(launch_command(2, [str(ROOT / "tests" / "workers" / "zero3_padding.py"), str(out)]), timeout=300)
+    ranks = [json.loads((tmp_path / f"padding.json.{r}").read_text()) for r in (0, 1)]
+    assert any(".prior." in name for name in ranks[1]["padded"]), ranks[1]["padded"]
+    for r in ranks:
+        assert r["bad_with_padding_nan"] is None
+        assert math.isfinite(r["norm_share"])
+        assert r["bad_with_real_inf"] == r["victim"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.zero3 import partition_span
 from .errors import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -190,9 +191,7 @@ class Zero3(MasterLayout):
             )[0]
             for k in KEYS
         }
-        size = parts[""].numel()
-        start = size * self.opt._get_param_partition_rank(p)
-        numel = max(0, min(size, p.ds_numel - start))
+        start, numel = partition_span(p, self.opt._get_param_partition_rank(p))
         with torch.no_grad():
             for t in (*parts.values(), p.ds_tensor):
                 t.view(-1)[numel:].zero_()  # DeepSpeed's padding

@@ -26,6 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ..parallel.zero3 import partition_values
 from .flops import flops_per_token
 from .peak import peak_flops, training_dtype
 
@@ -37,10 +38,8 @@ def param_sumsq_share(model: torch.nn.Module, tp: int, dp: int, dp_rank: int) ->
     total = None  # accumulated where the weights live: one device-to-host copy at the end
     for p in model.parameters():
         split_over_tp = bool(getattr(p, "tensor_model_parallel", False))
-        if hasattr(p, "ds_tensor"):  # ZeRO-3: a flat partition per DP rank, zero padding past ds_numel
-            part = p.ds_tensor.reshape(-1)
-            first = part.numel() * dp_rank
-            values = part[: max(0, min(part.numel(), p.ds_numel - first))]
+        if hasattr(p, "ds_tensor"):  # ZeRO-3: a flat partition per DP rank, padding past ds_numel
+            values = partition_values(p, dp_rank)
             replicas = 1 if split_over_tp else tp
         else:
             values = p.detach()

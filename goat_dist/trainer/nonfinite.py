@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..parallel.zero3 import partition_values
+
 
 class NonFiniteError(RuntimeError):
     """A loss, gradient or weight is NaN/Inf; the message names the step, the data and the parameter."""
@@ -57,9 +59,11 @@ def first_nonfinite_gradient(engine) -> str | None:
 
 
 def first_nonfinite_weight(model: torch.nn.Module) -> str | None:
-    """Name of the first parameter whose local values (a ZeRO-3 partition included) are NaN/Inf."""
+    """Name of the first parameter whose local values (a ZeRO-3 partition included) are NaN/Inf.
+
+    A ZeRO-3 partition is read up to its real elements: its padding is uninitialised memory."""
     for name, p in model.named_parameters():
-        local = p.ds_tensor if hasattr(p, "ds_tensor") else p
+        local = partition_values(p) if hasattr(p, "ds_tensor") else p
         if not bool(torch.isfinite(local.detach()).all()):
             return name
     return None

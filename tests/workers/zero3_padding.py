@@ -1,0 +1,64 @@
+"""torchrun worker (DP=2, ZeRO-3): DeepSpeed pads partitions with uninitialised memory. NaN written into
+every partition's padding must not be seen by the non-finite-weight check or the weight norm, while a NaN
+in a real element must be. Writes one JSON per rank."""
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from goat_dist import distributed  # noqa: E402
+from goat_dist.config import load_config  # noqa: E402
+from goat_dist.model import GPT  # noqa: E402
+from goat_dist.observe.step_metrics import param_sumsq_share  # noqa: E402
+from goat_dist.parallel.zero3 import partition_span  # noqa: E402
+from goat_dist.trainer.nonfinite import first_nonfinite_weight  # noqa: E402
+from goat_dist.trainer.parallelize import parallelize  # noqa: E402
+
+
+def main(out: str) -> None:
+    layout = distributed.init(tp=1)
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.seq_len=32",
+            "model.vocab_size=300",
+            "model.attention_backend=sdpa",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=2",
+            "parallel.zero_stage=3",
+        ],
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    parallelize(model, cfg, grad_accum=1)
+    padded = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _, real = partition_span(p)
+            flat = p.ds_tensor.view(-1)
+            if real < flat.numel():
+                flat[real:] = float("nan")
+                padded.append(name)
+    result = {
+        "padded": padded,
+        "bad_with_padding_nan": first_nonfinite_weight(model),
+        "norm_share": param_sumsq_share(model, 1, layout.dp, layout.dp_rank),
+    }
+    victim = next(n for n, p in model.named_parameters() if partition_span(p)[1] > 0 and n not in padded)
+    with torch.no_grad():
+        dict(model.named_parameters())[victim].ds_tensor.view(-1)[0] = float("inf")
+    result["victim"], result["bad_with_real_inf"] = victim, first_nonfinite_weight(model)
+    with open(f"{out}.{layout.rank}", "w") as f:
+        json.dump(result, f)
+    distributed.exit_process(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
