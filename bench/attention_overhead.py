@@ -28,8 +28,6 @@ def plain_sdpa(q, k, v):
     ).transpose(1, 2)
 
 
-
-
 def time_fwd_bwd(fn, inputs, clock=time.perf_counter) -> float:
     for t in inputs:
         t.grad = None

@@ -55,8 +55,6 @@ def make_step(args, position: str, tokens: torch.Tensor):
     return step, sum(p.numel() for p in model.parameters())
 
 
-
-
 def profile(name: str, step, rows: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile

@@ -94,8 +94,6 @@ def make_step(model, kind: str, tokens: torch.Tensor):
     return step
 
 
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
