@@ -142,7 +142,8 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
 def test_zero3_padding_is_not_a_nonfinite_weight(tmp_path):
     """DeepSpeed pads ZeRO-3 partitions with uninitialised memory; a NaN there once refused a final save of
     a healthy DP=2 ZeRO-3 run (``blocks.0.attn.prior.sink_mlp.fc2.bias``, one element: rank 1 holds only
-    padding). NaN in every padding is ignored; an Inf in a real element is still named."""
+    padding). NaN in every padding is ignored; an Inf in a real element is still named. In bf16, the prior's
+    forward values gathered from the fp32 master partitions (zero3_prior.py) equal DeepSpeed's own gather."""
     out = tmp_path / "padding.json"
     run(launch_command(2, [str(ROOT / "tests" / "workers" / "zero3_padding.py"), str(out)]), timeout=300)
     ranks = [json.loads((tmp_path / f"padding.json.{r}").read_text()) for r in (0, 1)]
@@ -151,3 +152,4 @@ def test_zero3_padding_is_not_a_nonfinite_weight(tmp_path):
         assert r["bad_with_padding_nan"] is None
         assert math.isfinite(r["norm_share"])
         assert r["bad_with_real_inf"] == r["victim"]
+        assert r["prior_forward_is_master"] == r["prior"] and len(r["prior"]) >= 5

@@ -81,6 +81,24 @@ def fourier_features(
     return torch.cat([torch.cos(phases), torch.sin(phases)], dim=-1).to(dtype)
 
 
+FP32_FORWARD = "fp32_forward"  # attribute a training engine may attach to a prior parameter
+
+
+def forward_value(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A prior parameter's value in ``dtype``, carrying ``p``'s gradient.
+
+    Where the training engine keeps the parameter itself in bf16 and its exact fp32 value elsewhere
+    (ZeRO-3, whose partitions all live in one buffer of one dtype; ``trainer/zero3_prior.py``), it
+    attaches that value as ``p.fp32_forward``: the prior then computes from it exactly, as under ZeRO 0-2,
+    and the gradient still flows to ``p`` (``value + (exact - value).detach()``; the difference between
+    an fp32 number and its bf16 rounding is exact in fp32, so the sum is the fp32 value to the bit)."""
+    value = p.to(dtype)
+    exact = getattr(p, FP32_FORWARD, None)
+    if exact is None:
+        return value
+    return value + (exact.to(dtype) - value).detach()
+
+
 class SinkMLP(nn.Module):
     """Tiny MLP over absolute-position features: the sink part of u(j), shared by the heads."""
 
@@ -90,9 +108,10 @@ class SinkMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """In ``x``'s dtype (fp32 features) whatever the parameters': ZeRO-3 + bf16 keeps them bf16."""
-        h = F.silu(F.linear(x, self.fc1.weight.to(x.dtype), self.fc1.bias.to(x.dtype)))
-        return F.linear(h, self.fc2.weight.to(x.dtype), self.fc2.bias.to(x.dtype)).squeeze(-1)
+        """In ``x``'s dtype (fp32 features) whatever the parameters' (see ``forward_value``)."""
+        dt = x.dtype
+        h = F.silu(F.linear(x, forward_value(self.fc1.weight, dt), forward_value(self.fc1.bias, dt)))
+        return F.linear(h, forward_value(self.fc2.weight, dt), forward_value(self.fc2.bias, dt)).squeeze(-1)
 
 
 class GoatPrior(nn.Module):
@@ -185,7 +204,7 @@ class GoatPrior(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """fp32, or fp64 for a module cast to float64: lanes and log-prior are formed in this dtype, from
-        parameters upcast to it (ZeRO-3 + bf16 hands the prior bf16 parameters, see SinkMLP)."""
+        parameters upcast to it (``forward_value``)."""
         return self.rel_freqs.dtype if self.rel_freqs.dtype == torch.float64 else torch.float32
 
     # ---- per-key value u(j) ------------------------------------------------------------------------
@@ -213,7 +232,7 @@ class GoatPrior(nn.Module):
         ):  # the MLP stays fp32 under bf16 autocast
             mlp = self.sink_mlp(feats)
         gain, bump, slope_raw = (
-            p.to(dtype) for p in (self.sink_gain, self.sink_bump, self.recency_slope_raw)
+            forward_value(p, dtype) for p in (self.sink_gain, self.sink_bump, self.recency_slope_raw)
         )
         u = gain * mlp[..., None] + bump * (position_ids == 0)[..., None]
         if causal:
@@ -250,7 +269,8 @@ class GoatPrior(nn.Module):
         if R > 0:
             feats = fourier_features(position_ids, self.rel_freqs, cdt)[..., None, :]  # (B, L, 1, 2R)
             cos, sin = feats.split(R, dim=-1)
-            a, b = self.lambda_sym.to(cdt) / scale, self.lambda_asym.to(cdt) / scale  # (H, R)
+            a = forward_value(self.lambda_sym, cdt) / scale  # (H, R)
+            b = forward_value(self.lambda_asym, cdt) / scale
             q_parts += [a * cos + b * sin, a * sin - b * cos]
             k_parts += [cos.expand(B, L, H, R), sin.expand(B, L, H, R)]
         if self.key_bias:
@@ -273,8 +293,8 @@ class GoatPrior(nn.Module):
         if self.pos_rank > 0:
             delta = (position_ids[:, :, None] - position_ids[:, None, :]).double()  # (B, L, L)
             phases = delta[:, None, :, :, None] * self.rel_freqs.double()  # (B, 1, L, L, R)
-            a = self.lambda_sym.to(dtype)[None, :, None, None, :]
-            b = self.lambda_asym.to(dtype)[None, :, None, None, :]
+            a = forward_value(self.lambda_sym, dtype)[None, :, None, None, :]
+            b = forward_value(self.lambda_asym, dtype)[None, :, None, None, :]
             K = K + (a * torch.cos(phases).to(dtype) + b * torch.sin(phases).to(dtype)).sum(-1)
         if self.key_bias:
             K = K + self.sink(position_ids, causal, origin).permute(0, 2, 1)[:, :, None, :]

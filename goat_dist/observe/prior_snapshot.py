@@ -97,6 +97,9 @@ def prior_snapshot(model, layers: list[int] | None, heads: list[int] | None, ste
     if getattr(blocks[0].attn, "prior", None) is None:
         return None
     train_len = blocks[0].attn.prior.training_seq_len
+    sync = getattr(model, "sync_prior_masters", None)  # ZeRO-3 + bf16: the fp32 values (zero3_prior.py)
+    if sync is not None:
+        sync()
     snapshot = {"step": step, "train_len": train_len, "layers": {}}
     for layer in chosen_layers(layers, len(blocks)):
         prior = blocks[layer].attn.prior

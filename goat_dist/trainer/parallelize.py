@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from ..config import Config
+from . import zero3_prior
 from .optim import build_optimizer, is_prior
 
 
@@ -125,8 +126,8 @@ def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
             mpu=MegatronMPU(),
             dist_init_required=False,
         )
-    if bf16 and stage not in PRIOR_FP32_STAGES and prior_params(model) and dist.get_rank() == 0:
-        print(ZERO3_PRIOR_NOTE)
+    if bf16 and stage not in PRIOR_FP32_STAGES and prior_params(model):
+        zero3_prior.install(engine, prior_params(model))
     if stage == 0 and not bf16:
         _record_grad_norm(engine)
     if stage == 0 and bf16:
@@ -145,14 +146,9 @@ def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
 # gradients travel in DeepSpeed's bf16 communication buckets like all others. ZeRO-3 does not: it moves the
 # partitions of all groups into ONE contiguous buffer (``defragment`` in deepspeed/runtime/zero/utils.py
 # asserts a single dtype; stage3.py ``_create_fp16_partitions_with_defragmentation``). Under ZeRO-3 + bf16
-# the prior's working copy is therefore bf16, like every other weight, while its master copy and Adam state
-# stay fp32; rank 0 says so at start (ZERO3_PRIOR_NOTE) and tests/test_bf16_prior.py pins it.
+# the prior's parameters are therefore bf16 while their master copy and Adam state stay fp32, and
+# ``zero3_prior.py`` hands the forward pass the fp32 master values (tests/test_bf16_prior.py).
 PRIOR_FP32_STAGES = (0, 1, 2)
-ZERO3_PRIOR_NOTE = (
-    "note: ZeRO-3 + bf16: GOAT's prior parameters compute in bf16 (their fp32 master copy and Adam state are "
-    "kept); DeepSpeed's ZeRO-3 keeps all parameter partitions in one buffer of a single dtype. Use ZeRO 0-2 "
-    "to keep the prior fp32 in the forward pass."
-)
 
 
 def prior_params(model: nn.Module) -> list[nn.Parameter]:

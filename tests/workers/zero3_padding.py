@@ -1,6 +1,7 @@
-"""torchrun worker (DP=2, ZeRO-3): DeepSpeed pads partitions with uninitialised memory. NaN written into
-every partition's padding must not be seen by the non-finite-weight check or the weight norm, while a NaN
-in a real element must be. Writes one JSON per rank."""
+"""torchrun worker (DP=2, ZeRO-3, bf16): DeepSpeed pads partitions with uninitialised memory. NaN written
+into every partition's padding (forward weights and fp32 masters) must not be seen by the non-finite-weight
+check, the weight norm or the prior's fp32 forward values (zero3_prior.py), while an Inf in a real element
+must be. Writes one JSON per rank."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.config import load_config  # noqa: E402
@@ -33,20 +35,28 @@ def main(out: str) -> None:
             "train.micro_batch_size=1",
             "train.global_batch_size=2",
             "parallel.zero_stage=3",
+            "train.precision=bf16",
         ],
     )
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    parallelize(model, cfg, grad_accum=1)
+    engine = parallelize(model, cfg, grad_accum=1)
     padded = []
     with torch.no_grad():
         for name, p in model.named_parameters():
             _, real = partition_span(p)
-            flat = p.ds_tensor.view(-1)
-            if real < flat.numel():
-                flat[real:] = float("nan")
+            master = engine.optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)[0]
+            if real < p.ds_tensor.numel():
+                p.ds_tensor.view(-1)[real:] = float("nan")
+                master.view(-1)[real:] = float("nan")
                 padded.append(name)
+    engine.module.sync_prior_masters()
+    prior = [(n, p) for n, p in model.named_parameters() if ".prior." in n]
     result = {
+        "prior_forward_is_master": [
+            n for n, p in prior if torch.equal(p.fp32_forward, safe_get_full_fp32_param(p))
+        ],
+        "prior": [n for n, _ in prior],
         "padded": padded,
         "bad_with_padding_nan": first_nonfinite_weight(model),
         "norm_share": param_sumsq_share(model, 1, layout.dp, layout.dp_rank),
