@@ -48,8 +48,9 @@ def _adam_state(opt: torch.optim.Optimizer, key_tensor: torch.Tensor) -> dict:
     """Adam's state for ``key_tensor``, created (zeros, step 0) if the optimizer has not stepped yet."""
     state = opt.state[key_tensor]
     if "exp_avg" not in state:
+        fused = any(g.get("fused") for g in opt.param_groups)  # fused AdamW keeps its step on the device
         state.update(
-            step=torch.tensor(0.0),
+            step=torch.zeros((), dtype=torch.float32, device=key_tensor.device if fused else "cpu"),
             exp_avg=torch.zeros_like(key_tensor, memory_format=torch.preserve_format),
             exp_avg_sq=torch.zeros_like(key_tensor, memory_format=torch.preserve_format),
         )

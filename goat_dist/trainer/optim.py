@@ -47,10 +47,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW kernel takes floating-point tensors on CPU or CUDA (not the meta device of a
+    dry run)."""
+    return all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, object]:
-    """torch AdamW (no extension build needed) and a LambdaLR following ``lr_at``."""
+    """torch AdamW (no extension build needed) and a LambdaLR following ``lr_at``.
+
+    AdamW runs torch's fused kernel where it can: one vectorised pass over all tensors instead of a
+    Python loop of small ops per parameter (on this project's CPU machines 35x faster for a 67M-parameter
+    model, and the difference between 0.2 and 0.5 of the matmul peak for a whole step; bench/mfu_cpu.py);
+    on CUDA it is also torch's fastest AdamW."""
+    groups = param_groups(model, cfg.weight_decay)
+    fused = fused_supported([p for g in groups for p in g["params"]])
     opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True if fused else None
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg) / cfg.lr)
     return opt, sched
