@@ -125,3 +125,17 @@ def test_materialize_says_cp_is_not_built_yet():
         timeout=300,
     )
     assert out.returncode == 2 and "parallel.cp > 1 is not built yet" in out.stderr, out.stderr[-2000:]
+
+
+def test_context_parallelism_partitions_zero_over_dp_x_cp_and_costs_a_kv_exchange():
+    """ZeRO partitions over every replica of a TP slice (DP x CP, trainer/parallelize.py), so CP=2 x DP=4
+    holds the state of DP=8; CP halves each rank's sequence (activations) and adds the K/V exchange."""
+    path = ROOT / "configs/models/goat_1.3b.yaml"
+    h100 = gpu("h100-80gb")
+    base = ["parallel.zero_stage=1", "model.seq_len=32768", "train.micro_batch_size=1"]
+    cp1 = make_plan(load_config(path, base), 1, 8, h100)
+    cp2 = make_plan(load_config(path, [*base, "parallel.cp=2"]), 1, 8, h100)
+    assert (cp2["layout"]["cp"], cp2["layout"]["dp"]) == (2, 4)
+    assert cp2["memory"]["state"] == cp1["memory"]["state"]
+    assert cp2["memory"]["activations"]["total"] < 0.55 * cp1["memory"]["activations"]["total"]
+    assert cp1["throughput"]["cp_comm_s"] == 0 < cp2["throughput"]["cp_comm_s"]

@@ -135,7 +135,8 @@ def state_bytes(cfg: Config, dp: int) -> dict[str, int]:
     inv = param_inventory(m, cfg.parallel.tp)
     n = sum(p.numel for p in inv)
     prior = sum(p.numel for p in inv if p.group == "prior")
-    prior_extra = (4 - w) * prior if stage < 3 else 0  # the prior's fp32 working copy (parallelize.py)
+    # the prior's fp32 working copy (parallelize.py); under ZeRO-3 + bf16, its gathered fp32 values
+    prior_extra = (4 - w) * prior if stage < 3 else (4 * prior if bf16 else 0)  # (zero3_prior.py)
     steps = 4 * len(inv)  # torch AdamW's per-parameter fp32 `step` tensors
     bucket = m.hidden_size**2 * w  # parallelize.deepspeed_config: reduce bucket of h^2 elements
     if stage == 0:
@@ -156,7 +157,7 @@ def state_bytes(cfg: Config, dp: int) -> dict[str, int]:
         persistent = 10 * m.hidden_size  # stage3_param_persistence_threshold (parallelize.deepspeed_config)
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
-        params = w * (part + kept)
+        params = w * (part + kept) + prior_extra
         grads = w * part
         optimizer = 12 * part + steps
         buffers = bucket

@@ -124,23 +124,33 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     per_layer = 4 + (2 if ac == "full" else 0)
     act_bytes = t.micro_batch_size * (m.seq_len // cp) * m.hidden_size * a
     tp_s = micro_batches * m.num_layers * per_layer * _ring(act_bytes, tp, tp_bw, all_reduce=True)
+    # CP (parallel/context.py): K and V all-gathered over the CP group per layer forward, dK and dV
+    # reduce-scattered backward; any recomputation of the attention core (full or selective) gathers
+    # again. Not overlapped with compute. Ranks of one CP group sit next to their TP peers.
+    kv_heads = m.num_kv_heads or m.num_heads
+    kv_bytes = t.micro_batch_size * m.seq_len * (kv_heads // tp) * (m.hidden_size // m.num_heads) * a
+    cp_bw = nvlink if tp * cp <= gpus_per_node else network
+    cp_per_layer = 4 + (2 if ac in ("full", "selective") else 0)
+    cp_s = micro_batches * m.num_layers * cp_per_layer * _ring(kv_bytes, cp, cp_bw, all_reduce=False)
     # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1-2: reduce-scatter + all-gather of the
     # updated weights); ZeRO-3 gathers weights for every micro-batch's forward and backward and
     # reduce-scatters gradients per micro-batch, prefetched (hidden behind compute where it can be).
+    # Gradients are reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice).
+    replicas = dp * cp
     inv = param_inventory(m, tp)
     grad_bytes = a * sum(p.numel for p in inv)
     dp_bw = nvlink if world <= gpus_per_node else network
     stage = cfg.parallel.zero_stage
     if stage == 0:
-        dp_s = _ring(grad_bytes, dp, dp_bw, all_reduce=True)
+        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
     elif stage in (1, 2):
-        dp_s = 2 * _ring(grad_bytes, dp, dp_bw, all_reduce=False)
+        dp_s = 2 * _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
     else:
-        gathers = micro_batches * 3 * _ring(grad_bytes, dp, dp_bw, all_reduce=False)
+        gathers = micro_batches * 3 * _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
         dp_s = max(0.0, gathers - compute_s)
-    partition = sum(p.numel for p in inv) / (dp if stage else 1)
+    partition = sum(p.numel for p in inv) / (replicas if stage else 1)
     optimizer_s = ADAM_BYTES_PER_ELEMENT * partition / (gpu.hbm_tb_s * 1e12)
-    step_s = compute_s + memory_s + tp_s + dp_s + optimizer_s
+    step_s = compute_s + memory_s + tp_s + cp_s + dp_s + optimizer_s
     model_flops = f["total"] * tokens
     return {
         "flops_per_token": f["total"],
@@ -148,6 +158,7 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
         "compute_s": compute_s,
         "memory_bound_s": memory_s,
         "tp_comm_s": tp_s,
+        "cp_comm_s": cp_s,
         "dp_comm_s": dp_s,
         "optimizer_s": optimizer_s,
         "step_s": step_s,
@@ -165,12 +176,13 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU) -> dict:
         cfg = _with(cfg, precision="bf16")
     layout = layout_of(cfg, world)
     dp = layout["dp"]
-    mem = memory_at(cfg, dp, cfg.train.micro_batch_size)
+    replicas = dp * layout["cp"]  # ZeRO partitions over DP x CP (trainer/parallelize.py)
+    mem = memory_at(cfg, replicas, cfg.train.micro_batch_size)
     stages = {}
     for stage in range(4):
         c = copy.deepcopy(cfg)
         c.parallel.zero_stage = stage
-        stages[stage] = state_bytes(c, dp)
+        stages[stage] = state_bytes(c, replicas)
     cap = budget(gpu)
     headroom = cap - mem["total"]
     verdict = "fits" if headroom >= TIGHT * cap else "tight" if headroom >= 0 else "does not fit"
@@ -202,7 +214,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU) -> dict:
         "budget": cap,
         "headroom": headroom,
         "verdict": verdict,
-        "largest_micro_batch": largest_micro_batch(cfg, dp, gpu),
+        "largest_micro_batch": largest_micro_batch(cfg, replicas, gpu),
         "throughput": throughput(cfg, layout, gpu, gpus_per_node),
         "notes": notes,
     }
@@ -253,7 +265,7 @@ def format_plan(p: dict) -> str:
         f"largest micro-batch that fits: {p['largest_micro_batch']}",
         "",
         f"throughput   step {th['step_s']:.3f} s (matmuls {th['compute_s']:.3f}, memory-bound ops "
-        f"{th['memory_bound_s']:.3f}, TP comm {th['tp_comm_s']:.3f}, "
+        f"{th['memory_bound_s']:.3f}, TP comm {th['tp_comm_s']:.3f}, CP comm {th['cp_comm_s']:.3f}, "
         f"DP comm {th['dp_comm_s']:.3f}, optimizer {th['optimizer_s']:.3f})",
         f"             {th['tokens_per_s']:,.0f} tokens/s, {th['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
         f"MFU {th['mfu']:.1%} of {th['peak_tflops']:.0f} TFLOP/s bf16 "
