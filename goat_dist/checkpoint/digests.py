@@ -1,0 +1,188 @@
+"""A checkpoint's file digests (the manifest's sizes and sha256), computed by every rank in parallel.
+
+Why: hashing every file of every rank on rank 0 alone reads the whole checkpoint through one process
+(~110 GB at 7B) while every other rank waits in a barrier, long enough to risk a collective timeout.
+Instead each rank hashes a share of the step directory's files, and the results are gathered:
+
+- Saving (``digest_files``): rank 0 lists the directory and broadcasts the list; every rank hashes its
+  share (``shares``: deterministic, balanced by bytes, largest files first); rank 0 receives every digest
+  and writes the manifest. Files a rank already hashed right after writing them (the background writer
+  of an async save, ``staging.py``) are passed in as ``known`` and not read again.
+- Loading (``verify``): every rank checks every file's size; checksums are split into the same shares.
+  A problem found on any rank is raised on every rank with the same message, naming the file and the step
+  (``raise_everywhere``), so all ranks stop together.
+
+Without a process group (``goat-dist ckpt inspect``, export, tools) everything runs in the one process.
+A single file is hashed by one rank: the largest file bounds the time (DeepSpeed writes one file per rank
+and universal/ one per TP rank, so at scale the files are many and of similar size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..atomic import file_problem, sha256_file
+from .errors import CheckpointError
+from .names import MANIFEST
+
+__all__ = ["digest_files", "listing", "raise_everywhere", "shares", "verify"]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Split files over ``world`` ranks, balanced by bytes: largest first, each to the rank with the fewest
+    bytes so far (ties: the lower rank). The same input gives the same split on every rank."""
+    load = [0] * world
+    out: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        out[rank].append(name)
+        load[rank] += sizes[name]
+    return out
+
+
+def listing(step_dir: Path) -> dict[str, int]:
+    """Every file of a checkpoint but its manifest: relative name -> bytes."""
+    step_dir = Path(step_dir)
+    return {
+        str(p.relative_to(step_dir)): p.stat().st_size
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def digest(path: Path) -> dict:
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def _gather(obj) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_first(errors: list[str]) -> None:
+    """Raise the lowest failing rank's error (the same message on every rank that saw the same list)."""
+    for rank, found in enumerate(errors):
+        if found:
+            raise CheckpointError(found + (f" (found on rank {rank})" if len(errors) > 1 else ""))
+
+
+def raise_everywhere(error: str) -> None:
+    """Collective: if any rank found an ``error``, every rank raises the same CheckpointError (the lowest
+    failing rank's message), so all stop together and none loads a partial checkpoint or hangs later."""
+    _raise_first(_gather(error or ""))
+
+
+def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> dict[str, dict]:
+    """Collective (or one process without a group): ``{name: {"bytes", "sha256"}}`` of every file of
+    ``step_dir`` but the manifest, each file hashed by one rank. ``known``: digests this rank already
+    computed (its own files, hashed right after writing); ``error``: a failure this rank had while writing.
+    Any rank's error, or a file that changed size after it was hashed, is raised on every rank."""
+    step_dir = Path(step_dir)
+    rank, world = _world()
+    gathered = _gather((known or {}, error or ""))
+    _raise_first([e for _, e in gathered])  # a writer failed somewhere: the same message everywhere
+    merged: dict[str, dict] = {}
+    for part, _ in gathered:
+        merged.update(part)
+    plan: list = [None]
+    if rank == 0:
+        try:
+            sizes = listing(step_dir)
+            problem = ""
+            for name, meta in merged.items():
+                if sizes.get(name) != meta["bytes"]:
+                    problem = (
+                        f"checkpoint {step_dir}: {name} has {sizes.get(name)} bytes on rank 0 but "
+                        f"{meta['bytes']} when its writer hashed it"
+                    )
+                    break
+        except OSError as e:
+            sizes, problem = {}, f"checkpoint {step_dir}: cannot list it on rank 0: {e}"
+        todo = {n: s for n, s in sizes.items() if n not in merged}
+        plan = [(shares(todo, world), sorted(sizes), problem)]
+    if world > 1:
+        dist.broadcast_object_list(plan, src=0)
+    my_share, names, problem = plan[0][0][rank], plan[0][1], plan[0][2]
+    results, error = {}, problem if rank == 0 else ""
+    for name in my_share if not problem else []:
+        try:
+            results[name] = digest(step_dir / name)
+        except OSError as e:
+            error = f"checkpoint {step_dir}: rank {rank} cannot read {name} to hash it: {e}"
+            break
+    gathered = _gather((results, error))
+    _raise_first([e for _, e in gathered])
+    for part, _ in gathered:
+        merged.update(part)
+    return {name: merged[name] for name in names}
+
+
+def read_manifest(step_dir: Path) -> dict:
+    step_dir = Path(step_dir)
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {step_dir} is incomplete: no {MANIFEST} (interrupted save?)")
+    try:
+        return json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
+
+
+def _problem(step_dir: Path, manifest: dict, checksums: set[str] | bool) -> str:
+    """The first thing wrong with the files against the manifest: every size; checksums of ``checksums``
+    (a set of names, or all/none)."""
+    for name, meta in manifest["files"].items():
+        hashed = checksums if isinstance(checksums, bool) else name in checksums
+        problem = file_problem(step_dir / name, meta["bytes"], meta["sha256"], checksums=hashed)
+        if problem:
+            return f"checkpoint {step_dir} (step {manifest.get('step')}): {problem}"
+    return ""
+
+
+def verify(step_dir: Path, checksums: bool = True, parallel: bool = False) -> dict:
+    """The manifest of a complete, intact checkpoint; raises CheckpointError naming what is wrong.
+
+    ``parallel=True`` is a collective over the default process group: every rank checks every size and
+    hashes its share of the files (``shares``); a problem on any rank is raised on every rank. Otherwise
+    (one process, no group needed) this process checks everything."""
+    step_dir = Path(step_dir)
+    rank, world = _world()
+    if not parallel or world == 1:
+        manifest = read_manifest(step_dir)
+        problem = _problem(step_dir, manifest, checksums)
+        if problem:
+            raise CheckpointError(problem)
+        return manifest
+    manifest, error, fingerprint = None, "", ""
+    try:
+        manifest = read_manifest(step_dir)
+        fingerprint = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        mine: set[str] | bool = False
+        if checksums:
+            sizes = {n: m["bytes"] for n, m in manifest["files"].items()}
+            mine = set(shares(sizes, world)[rank])
+        error = _problem(step_dir, manifest, mine)
+    except CheckpointError as e:
+        error = str(e)
+    gathered = _gather((error, fingerprint))
+    _raise_first([e for e, _ in gathered])
+    if len({f for _, f in gathered}) > 1:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
+            "system every node shares?)"
+        )
+    return manifest
