@@ -132,6 +132,19 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
     save_at_end: bool = True
     universal: bool = True  # also save a layout-independent copy (resume on another TP/DP/ZeRO, export)
+    # the config key is ``checkpoint.async`` (a Python keyword, so the field has another name; both work):
+    # stage the save in host memory and write it in the background while training continues
+    async_save: bool = False
+
+
+# ``checkpoint.async`` as written in YAML and overrides: an alias of ``async_save``, visible to the loader
+# (which accepts the annotated names) but not a dataclass field (config.yaml records ``async_save``)
+CheckpointConfig.__annotations__["async"] = "bool"
+setattr(
+    CheckpointConfig,
+    "async",
+    property(lambda self: self.async_save, lambda self, value: setattr(self, "async_save", value)),
+)
 
 
 @dataclass

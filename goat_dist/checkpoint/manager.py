@@ -12,6 +12,14 @@ Layout of ``<run_dir>/checkpoints/``::
 A checkpoint counts only once ``latest`` names it, which happens after every rank finished writing and
 the manifest exists: a crash at any point before leaves the previous checkpoint as ``latest``. Which
 checkpoint to resume from is decided on rank 0 (resume.py); ``keep_last`` counts only the run's lineage.
+
+The manifest's sha256s are computed by every rank in parallel, each a share of the files, and gathered
+on rank 0 (``digests.py``); a resume checks every size on every rank and the checksums in shares too.
+
+``save_async`` (``checkpoint.async=true``) stages the state in host memory and returns; a background
+thread per rank writes and hashes the files (``staging.py``), and ``poll`` (at step boundaries) or
+``wait`` publishes the checkpoint once every rank's writes are done. At most one save is in flight: a
+new save, and the end of the run, wait for the pending one first.
 """
 
 from __future__ import annotations
@@ -19,14 +27,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..atomic import atomic_write_text, file_problem, sha256_file
+from ..atomic import atomic_write_text
 from . import lineage, rng, universal
-from .errors import CheckpointError, raise_on_every_rank
+from .digests import digest, digest_files, listing, raise_everywhere, verify
+from .errors import CheckpointError
 from .names import LATEST, MANIFEST, STALE, STATE, tag_for
 from .resume import agree_on_checkpoint
 from .safe_load import load as safe_load
@@ -41,28 +51,24 @@ __all__ = ["MANIFEST", "STATE", "CheckpointError", "CheckpointManager", "tag_for
 LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage", "precision", "param_groups")
 
 
-def write_manifest(step_dir: Path, extra: dict) -> None:
-    files = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(path.relative_to(step_dir))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    atomic_write_text(step_dir / MANIFEST, json.dumps({"files": files, **extra}, indent=1))
+def write_manifest(step_dir: Path, extra: dict, files: dict | None = None) -> None:
+    """Write ``manifest.json`` (atomically): ``files`` ({name: {bytes, sha256}}, as ``digests.digest_files``
+    gathers them), or, without them, every file hashed by this process."""
+    if files is None:
+        files = {name: digest(Path(step_dir) / name) for name in listing(step_dir)}
+    atomic_write_text(Path(step_dir) / MANIFEST, json.dumps({"files": files, **extra}, indent=1))
 
 
-def verify(step_dir: Path, checksums: bool = True) -> dict:
-    """The manifest of a complete, intact checkpoint; raises CheckpointError naming what is wrong."""
-    step_dir = Path(step_dir)
-    manifest_path = step_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {step_dir} is incomplete: no {MANIFEST} (interrupted save?)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
-    for name, meta in manifest["files"].items():
-        problem = file_problem(step_dir / name, meta["bytes"], meta["sha256"], checksums=checksums)
-        if problem:
-            raise CheckpointError(f"checkpoint {step_dir} (step {manifest.get('step')}): {problem}")
-    return manifest
+@dataclass
+class PendingSave:
+    """An asynchronous save whose files are still being written (``CheckpointManager.save_async``)."""
+
+    step_dir: Path
+    step: int
+    writer: object  # staging.BackgroundWriter
+    started: float
+    paused_s: float
+    fault_hook: object = None
 
 
 class CheckpointManager:
@@ -72,6 +78,9 @@ class CheckpointManager:
         self.is_main = is_main
         self.universal = universal
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
+        self.pending: PendingSave | None = None  # an asynchronous save not yet published
+        self.last_save_s: float | None = None  # the last published save, start to publish
+        self._buffers = None  # staging.HostBuffers, kept across async saves (pinned memory on CUDA)
 
     # ---- reading ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
@@ -107,49 +116,111 @@ class CheckpointManager:
         return moved
 
     # ---- saving -----------------------------------------------------------------------------------
-    def save(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
-        """Collective: every rank calls it. Returns the published step directory."""
-        started = time.perf_counter()
-        step = trainer_state["step"]
-        tag = tag_for(step)
-        step_dir = self.root / tag
-        trainer_state[lineage.PARENT] = self.parent if self.parent != tag else None
+    def _begin_save(self, trainer_state: dict) -> Path:
+        step_dir = self.root / tag_for(trainer_state["step"])
+        trainer_state[lineage.PARENT] = self.parent if self.parent != step_dir.name else None
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if step_dir.exists():  # a leftover of an interrupted save of the same step
                 shutil.rmtree(step_dir)
         dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=tag, client_state={}, save_latest=False)
-        if self.universal:
-            universal.save(engine, engine.module, step_dir, step)
-        torch.save(rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
+        return step_dir
+
+    def _write_run_files(self, step_dir: Path, trainer_state: dict, config_text: str) -> None:
         if self.is_main:
             atomic_write_text(step_dir / STATE, json.dumps(trainer_state, indent=1))
             atomic_write_text(step_dir / "config.yaml", config_text)
-        dist.barrier()  # every shard is on disk
+
+    def _publish(self, step_dir: Path, step: int, known: dict, error: str, fault_hook) -> None:
+        """Collective, once every rank's files are on disk (or a write failed: ``error``): digests in
+        parallel, then rank 0 writes the manifest, ``latest`` and prunes."""
+        files = digest_files(step_dir, known, error)  # raises a write failure on every rank
         if fault_hook is not None:
             fault_hook("before_publish", step_dir)
         if self.is_main:
-            write_manifest(step_dir, {"step": step, "saved_at": time.time()})
-            atomic_write_text(self.root / LATEST, tag)
-            lineage.prune(self.root, tag, self.keep_last)
+            write_manifest(step_dir, {"step": step, "saved_at": time.time()}, files=files)
+            atomic_write_text(self.root / LATEST, step_dir.name)
+            lineage.prune(self.root, step_dir.name, self.keep_last)
         dist.barrier()
-        self.parent = tag
-        trainer_state["last_save_s"] = time.perf_counter() - started
+        self.parent = step_dir.name
+
+    def save(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
+        """Collective: every rank calls it. Returns the published step directory."""
+        self.wait()  # a pending asynchronous save is published first
+        started = time.perf_counter()
+        step = trainer_state["step"]
+        step_dir = self._begin_save(trainer_state)
+        engine.save_checkpoint(str(self.root), tag=step_dir.name, client_state={}, save_latest=False)
+        if self.universal:
+            universal.save(engine, engine.module, step_dir, step)
+        torch.save(rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
+        self._write_run_files(step_dir, trainer_state, config_text)
+        dist.barrier()  # every shard is on disk
+        self._publish(step_dir, step, {}, "", fault_hook)
+        self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
         return step_dir
+
+    def save_async(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
+        """Collective: stage this step's checkpoint in host memory and return; the files are written in the
+        background and published by ``poll`` or ``wait``. Returns the (not yet published) step directory;
+        ``trainer_state["last_save_s"]`` is the pause (staging) the caller saw."""
+        from .staging import BackgroundWriter, HostBuffers, queue_torch_save, stage_universal, staging_engine
+
+        self.wait()
+        started = time.perf_counter()
+        step = trainer_state["step"]
+        step_dir = self._begin_save(trainer_state)
+        self._buffers = self._buffers or HostBuffers()
+        writer = BackgroundWriter(step_dir, self._buffers, fault_hook)
+        with staging_engine(engine, writer):
+            engine.save_checkpoint(str(self.root), tag=step_dir.name, client_state={}, save_latest=False)
+        if self.universal:
+            stage_universal(engine, engine.module, step_dir, step, writer)
+        queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
+        self._write_run_files(step_dir, trainer_state, config_text)
+        paused = time.perf_counter() - started
+        self.pending = PendingSave(step_dir, step, writer, started, paused, fault_hook)
+        trainer_state["last_save_s"] = paused
+        return step_dir
+
+    def poll(self) -> Path | None:
+        """Collective while a save is pending (every rank knows it is: saves are collective decisions):
+        publish it if every rank's writes are done. Returns the published step directory, or None."""
+        if self.pending is None:
+            return None
+        busy = torch.tensor([0 if self.pending.writer.done() else 1])
+        dist.all_reduce(busy)
+        return None if busy.item() else self._finish()
+
+    def wait(self) -> Path | None:
+        """Collective: wait for the pending save's writes and publish it (None when nothing is pending)."""
+        if self.pending is None:
+            return None
+        self.pending.writer.wait()
+        return self._finish()
+
+    def _finish(self) -> Path:
+        pending, self.pending = self.pending, None
+        writer = pending.writer
+        try:
+            self._publish(pending.step_dir, pending.step, writer.digests, writer.error, pending.fault_hook)
+        finally:
+            writer.close()
+        self.last_save_s = time.perf_counter() - pending.started
+        return pending.step_dir
 
     # ---- loading ----------------------------------------------------------------------------------
     def load(self, engine, step_dir: Path, layout: dict) -> dict:
         """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state."""
         step_dir = Path(step_dir)
+        manifest = verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
         error = ""
-        try:
-            manifest = verify(step_dir, checksums=self.is_main)
-            if self.is_main:  # before any rank unpickles anything: a refused file stops every rank
+        if self.is_main:  # before any rank unpickles anything: a refused file stops every rank
+            try:
                 scan_pickles(step_dir, manifest.get("step"))
-        except CheckpointError as e:
-            error = str(e)
-        raise_on_every_rank(error, f"checkpoint {step_dir} failed verification on another rank")
+            except CheckpointError as e:
+                error = str(e)
+        raise_everywhere(error)
         state = json.loads((step_dir / STATE).read_text())
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
         same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}

@@ -165,7 +165,11 @@ class Trainer:
             "param_groups": [g.get("name") for g in self.engine.optimizer.param_groups],
         }
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, final: bool = False) -> Path:
+        """Collective. With ``checkpoint.async`` the state is staged in host memory and written in the
+        background (published later by ``_finish_pending``); ``final`` (a stop or the end of the run) waits
+        until it is published. A pending save is published before the next one starts."""
+        self._finish_pending(wait=True)
         bad = nonfinite.first_nonfinite_weight(self.engine.module)
         flag = torch.tensor([0 if bad is None else 1])
         dist.all_reduce(flag)
@@ -181,17 +185,31 @@ class Trainer:
             "data_contract": self.contract,
             **self.layout_record(),
         }
-        path = self.checkpoints.save(
-            self.engine,
-            trainer_state,
-            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
-            fault_hook=fault_hook,
-        )
+        config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+        self._saved_step = self.state.step
+        if self.cfg.checkpoint.async_save:
+            path = self.checkpoints.save_async(self.engine, trainer_state, config_text, fault_hook=fault_hook)
+            self._last_save_time = time.monotonic()
+            if final:
+                self._finish_pending(wait=True)
+            return path
+        path = self.checkpoints.save(self.engine, trainer_state, config_text, fault_hook=fault_hook)
         self._last_save_time = time.monotonic()
         self._last_save_s = trainer_state["last_save_s"]
-        self._saved_step = self.state.step
         self._emit("on_checkpoint", {"path": str(path), "save_s": trainer_state["last_save_s"]})
         return path
+
+    def _finish_pending(self, wait: bool) -> None:
+        """Collective while an asynchronous save is pending (at every step boundary until it is published):
+        publish it once every rank's writes are done, or, with ``wait``, wait for them now."""
+        pending = self.checkpoints.pending
+        if pending is None:
+            return
+        path = self.checkpoints.wait() if wait else self.checkpoints.poll()
+        if path is not None:
+            self._last_save_s = self.checkpoints.last_save_s  # the deadline's estimate: staging to publish
+            info = {"path": str(path), "save_s": self.checkpoints.last_save_s, "pause_s": pending.paused_s}
+            self._emit("on_checkpoint", info)
 
     def _minutes_due(self) -> bool:
         """This rank's clock says a time-interval checkpoint is due (rank 0's answer is the one used)."""
@@ -398,7 +416,8 @@ class Trainer:
         # the end-of-run save depends on what this run saved, not on what the disk holds
         if cfg.checkpoint.save_at_end and state.stop_requested is None and self._saved_step != state.step:
             if state.step > self._first_step:
-                self.save_checkpoint()
+                self.save_checkpoint(final=True)
+        self._finish_pending(wait=True)  # an asynchronous save still in flight is published before exit
         self._emit("on_train_end")
         return state
 
@@ -474,10 +493,11 @@ class Trainer:
             if reason == "signal":
                 reason = self.signals.received or "signal on another rank"
             interval = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0
+            paused = time.perf_counter()
+            self._finish_pending(wait=False)  # an asynchronous save whose writes are done is published
             if reason or interval or control.save_due:
-                paused = time.perf_counter()
-                self.save_checkpoint()
-                window_start += time.perf_counter() - paused
+                self.save_checkpoint(final=bool(reason))  # a stop waits until its checkpoint is published
+            window_start += time.perf_counter() - paused
             if reason:
                 state.stop_requested = reason
                 return

@@ -1,0 +1,276 @@
+"""Asynchronous checkpoint writes (``checkpoint.async=true``): stage to host memory, write in the background.
+
+The training loop pauses only while a save's tensors are copied to host memory (on GPUs: a device-to-host
+copy into pinned buffers, reused from one save to the next); a background thread then writes the files,
+fsyncs each, reads it back and records its sha256 (so publishing need not hash it again, see
+``digests.digest_files``). Training continues meanwhile.
+
+- DeepSpeed's model/optimizer shards: DeepSpeed writes through ``engine.checkpoint_engine``; a staging
+  engine (``staging_engine``) takes its place for the duration of ``save_checkpoint``: its ``save()``
+  stages the state dict and queues the ``torch.save``. Tensors that share storage (tied embeddings,
+  views into flat ZeRO partitions) share it in the staged copy, so the files hold what a synchronous
+  save writes.
+- The universal copy (``stage_universal``): gathered as ``universal.save`` gathers it (the same collectives
+  over DP), copied to host memory, written by the background thread.
+- The RNG states are captured (already copies) and written by the thread; ``trainer_state.json``,
+  ``config.yaml`` and ``universal/meta.json`` are small and written at once.
+
+A checkpoint counts only when the manager publishes it (manifest, then ``latest``), which it does only
+after every rank's writer finished (``CheckpointManager.poll`` / ``wait``); a crash while writes are in
+flight leaves the previous checkpoint ``latest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .digests import digest
+
+__all__ = ["BackgroundWriter", "HostBuffers", "host_copy", "stage", "stage_universal", "staging_engine"]
+
+
+class HostBuffers:
+    """Host buffers for staging, pinned on CUDA and reused by the next save once its write finished (a
+    pinned allocation costs more than the copy). On CPU nothing is kept: the buffers are freed after the
+    write, so a CPU run holds a second copy of its state only while a save is in flight."""
+
+    def __init__(self):
+        self.pin = torch.cuda.is_available()
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+        self.in_use: list = []
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        with self._lock:
+            pool = self._free.get(nbytes)
+            if pool:
+                buf = pool.pop()
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).untyped_storage()
+        self.in_use.append(buf)
+        return buf
+
+    def release(self) -> None:
+        """The write of everything taken so far finished: keep pinned buffers for the next save."""
+        with self._lock:
+            if self.pin:
+                for buf in self.in_use:
+                    self._free.setdefault(buf.nbytes(), []).append(buf)
+            self.in_use = []
+
+
+def _stage_tensor(t: torch.Tensor, memo: dict, buffers: HostBuffers) -> torch.Tensor:
+    storage = t.untyped_storage()
+    key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+    host = memo.get(key)
+    if host is None:
+        host = buffers.take(storage.nbytes())
+        host.copy_(storage, non_blocking=buffers.pin)
+        memo[key] = host
+    out = torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
+def stage(obj, buffers: HostBuffers | None = None, memo: dict | None = None):
+    """A copy of ``obj`` (nested dicts, lists, tuples, objects) whose tensors live in host memory and no
+    longer change with training. Tensors sharing storage share the copy (whole storages are copied, as
+    ``torch.save`` writes whole storages). Call ``synchronize()`` before reading the copies on CUDA."""
+    buffers = buffers or HostBuffers()
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        return _stage_tensor(obj, memo, buffers)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the type (OrderedDict, a defaultdict's factory)
+        for k, v in obj.items():
+            out[k] = stage(v, buffers, memo)
+        return out
+    if isinstance(obj, list):
+        return [stage(v, buffers, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [stage(v, buffers, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool, complex, torch.dtype, torch.device)):
+        return obj
+    try:  # anything else (DeepSpeed's config, loss scaler, enums): its state now, not after more steps
+        return copy.deepcopy(obj)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is written as it is
+        return obj
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_copy(t: torch.Tensor, buffers: HostBuffers) -> torch.Tensor:
+    """A contiguous host copy of ``t`` alone (not its whole storage)."""
+    t = t.detach()
+    host = buffers.take(t.numel() * t.element_size())
+    out = torch.empty(0, dtype=t.dtype).set_(host, 0, t.shape)
+    out.copy_(t, non_blocking=buffers.pin)
+    return out
+
+
+class BackgroundWriter:
+    """One thread writing queued files in order. Each job writes one file, fsyncs it and records its size
+    and sha256 (read back from disk), keyed by its name relative to the checkpoint directory."""
+
+    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, fault_hook=None):
+        self.step_dir = Path(step_dir)
+        self.digests: dict[str, dict] = {}
+        self.error = ""
+        self.buffers = buffers or HostBuffers()
+        self._fault_hook = fault_hook
+        self._jobs: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._written = 0
+        self.bytes = 0
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._thread = threading.Thread(target=self._run, name="goat-ckpt-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path, write) -> None:
+        """Queue ``write(path)`` (which creates the file)."""
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._jobs.put((Path(path), write))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            path, write = job
+            try:
+                if not self.error:
+                    write(path)
+                    with open(path, "rb+") as f:
+                        os.fsync(f.fileno())
+                    name = str(path.relative_to(self.step_dir))
+                    self.digests[name] = digest(path)
+                    self.bytes += self.digests[name]["bytes"]
+                    self._written += 1
+                    if self._written == 1 and self._fault_hook is not None:
+                        self._fault_hook("async_write", self.step_dir)  # tests: a crash mid-write
+            except BaseException as e:  # noqa: BLE001 - reported to every rank when the save is finished
+                failure = f"{type(e).__name__}: {e}"
+                self.error = f"checkpoint {self.step_dir}: writing {path.name} failed: {failure}"
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self.finished = time.perf_counter()
+                        self._idle.set()
+
+    def done(self) -> bool:
+        """Every queued file is written (or a write failed)."""
+        return self._idle.is_set()
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def close(self) -> None:
+        """After ``wait``: end the thread, give the staging buffers back (pinned ones are reused)."""
+        self._jobs.put(None)
+        self.buffers.release()
+
+
+def _write_torch(obj, zipfile: bool):
+    def write(path: Path) -> None:
+        torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
+
+    return write
+
+
+def queue_torch_save(writer: BackgroundWriter, obj, path: Path, zipfile: bool = True) -> None:
+    """Stage ``obj`` and queue its ``torch.save`` to ``path``."""
+    staged = stage(obj, writer.buffers)
+    synchronize()
+    writer.submit(path, _write_torch(staged, zipfile))
+
+
+def _staging_engine_class():
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class _StagingEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch.save engine, except that ``save`` stages and queues the write."""
+
+        def __init__(self, original, writer: BackgroundWriter):
+            self.name = "GoatStagingEngine"
+            self.zipfile_serialization = getattr(original, "zipfile_serialization", True)
+            self.original = original
+            self.writer = writer
+
+        def save(self, state_dict, path: str):
+            queue_torch_save(self.writer, state_dict, Path(path), self.zipfile_serialization)
+
+        def load(self, path: str, map_location=None):
+            return self.original.load(path, map_location=map_location)
+
+    return _StagingEngine
+
+
+@contextlib.contextmanager
+def staging_engine(engine, writer: BackgroundWriter):
+    """Within the block, ``engine.save_checkpoint`` stages its files and queues them on ``writer``."""
+    original = engine.checkpoint_engine
+    if original.is_decoupled():
+        raise RuntimeError(f"checkpoint.async needs DeepSpeed's torch checkpoint engine, not {original.name}")
+    engine.checkpoint_engine = _staging_engine_class()(original, writer)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = original
+
+
+def stage_universal(engine, model, step_dir: Path, step: int, writer: BackgroundWriter) -> None:
+    """Collective: ``universal.save``'s contents, gathered the same way (collective over DP under ZeRO),
+    staged in host memory; the DP rank 0 of each TP rank queues its ``tp<R>.safetensors``, rank 0 writes
+    ``meta.json`` now. The asynchronous twin of ``universal.save``: the async-vs-sync test compares them."""
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    from ..atomic import atomic_write_text
+    from .masters import layout_of
+    from .slices import tensor_key
+    from .universal import split_meta
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    is_writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    masters = layout_of(engine)
+    masters.prepare()
+    tensors, meta = {}, {}
+    for name, p in model.named_parameters():
+        states = masters.full(p)
+        meta[name] = split_meta(p)
+        if is_writer:
+            for key, value in states.items():
+                tensors[tensor_key(name, key)] = host_copy(value.detach().float(), writer.buffers)
+    synchronize()
+    out = Path(step_dir) / "universal"
+    if is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+        writer.submit(out / f"tp{tp_rank:02d}.safetensors", lambda path: save_file(tensors, str(path)))
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        record = {"tp": tp, "step": step, "optimizer": masters.name, "params": meta}
+        atomic_write_text(out / "meta.json", json.dumps(record, indent=1))

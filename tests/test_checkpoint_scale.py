@@ -1,0 +1,295 @@
+"""Checkpoints that scale: the manifest's digests computed by every rank in parallel (and checked in
+parallel on resume), and asynchronous saves (``checkpoint.async``) that stage in host memory, write in the
+background and publish only complete checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from multiproc import ROOT, clean_env, goat_train_command, in_process_config, per_step
+from multiproc import run as run_cmd
+from safetensors.torch import load_file
+
+from goat_dist.checkpoint import staging
+from goat_dist.checkpoint.digests import shares
+from goat_dist.checkpoint.errors import CheckpointError
+from goat_dist.checkpoint.manager import verify, write_manifest
+from goat_dist.checkpoint.safe_load import load as safe_load
+from goat_dist.config import load_config
+from goat_dist.distributed import free_port
+
+
+# ---- config ----------------------------------------------------------------------------------------------
+def test_async_key_is_checkpoint_async(tmp_path):
+    """The documented key is ``checkpoint.async`` (a Python keyword): overrides and YAML files take it, the
+    field is ``async_save`` (also accepted) and a wrong value is an error naming the key."""
+    assert load_config(None, []).checkpoint.async_save is False
+    assert load_config(None, ["checkpoint.async=true"]).checkpoint.async_save is True
+    assert load_config(None, ["checkpoint.async_save=true"]).checkpoint.async_save is True
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  async: true\n")
+    cfg = load_config(path)
+    assert cfg.checkpoint.async_save is True and getattr(cfg.checkpoint, "async") is True
+    assert cfg.to_dict()["checkpoint"]["async_save"] is True  # config.yaml records it; reloading works
+    with pytest.raises(Exception, match=r"checkpoint\.async' expects bool"):
+        load_config(None, ["checkpoint.async=3"])
+
+
+# ---- parallel digests --------------------------------------------------------------------------------------
+def test_shares_are_deterministic_disjoint_and_balanced_by_bytes():
+    sizes = {"a": 100, "b": 90, "c": 60, "d": 40, "e": 10, "f": 0}
+    split = shares(sizes, 2)
+    assert split == shares(dict(reversed(sizes.items())), 2)  # the order rank 0 listed them in is irrelevant
+    assert sorted(n for part in split for n in part) == sorted(sizes)
+    loads = [sum(sizes[n] for n in part) for part in split]
+    assert loads == [150, 150]
+    assert shares(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
+    assert shares({"x": 5}, 3) == [["x"], [], []]
+
+
+def fake_step_dir(root: Path) -> Path:
+    step_dir = root / "step_00000007"
+    (step_dir / "universal").mkdir(parents=True)
+    for i, (name, size) in enumerate([("a.pt", 30000), ("b.bin", 20000), ("c.json", 100)]):
+        (step_dir / name).write_bytes(bytes([i + 1]) * size)
+    (step_dir / "universal" / "tp00.safetensors").write_bytes(b"u" * 25000)
+    return step_dir
+
+
+def test_verify_needs_no_process_group(tmp_path, monkeypatch):
+    """``verify`` (goat-dist ckpt inspect, export) works in a process without a process group: it checks
+    every file itself and names a corrupt one."""
+    import torch.distributed as dist
+
+    def no_collectives(*args, **kwargs):
+        raise AssertionError("verify used a collective")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "all_gather_object", no_collectives)
+    step_dir = fake_step_dir(tmp_path)
+    write_manifest(step_dir, {"step": 7})
+    assert verify(step_dir)["step"] == 7
+    data = bytearray((step_dir / "c.json").read_bytes())
+    data[0] ^= 1
+    (step_dir / "c.json").write_bytes(bytes(data))
+    verify(step_dir, checksums=False)
+    for parallel in (False, True):  # without a group, parallel=True is the same one-process check
+        with pytest.raises(CheckpointError, match=r"\(step 7\): c\.json does not match its sha256"):
+            verify(step_dir, parallel=parallel)
+
+
+@pytest.mark.slow
+def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path):
+    """Two ranks: each hashes a share of the files (together every file once, the same digests one process
+    computes); resume's check hashes in shares too, and a corrupt file or a failed write on one rank is the
+    same CheckpointError, naming the file, on every rank."""
+    step_dir = fake_step_dir(tmp_path)
+    write_manifest(step_dir, {"step": 7})
+    single = json.loads((step_dir / "manifest.json").read_text())["files"]
+    (step_dir / "manifest.json").unlink()
+    worker = str(ROOT / "tests" / "workers" / "parallel_digests.py")
+    port = free_port()
+    procs = [  # two plain processes (no launcher): the cheapest 2-rank world
+        subprocess.Popen(
+            [sys.executable, worker, str(step_dir), str(tmp_path)],
+            env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["files"] == ranks[1]["files"] == single
+    hashed = [set(r["hashed"]) for r in ranks]
+    assert all(hashed) and not hashed[0] & hashed[1] and hashed[0] | hashed[1] == set(single)
+    assert [r["intact"] for r in ranks] == ["ok", "ok"]
+    corrupt = {r["corrupt"] for r in ranks}
+    assert len(corrupt) == 1, corrupt  # the same message on both ranks
+    message = corrupt.pop()
+    assert "b.bin does not match its sha256" in message and "step 7" in message
+    assert [r["sizes_only"] for r in ranks] == ["ok", "ok"]  # same size: only the checksum catches it
+    assert {r["writer_failed"] for r in ranks} == {"disk full (found on rank 1)"}
+
+
+# ---- asynchronous saves ----------------------------------------------------------------------------------
+# log.peak_tflops set: no CPU matmul probe, which draws from torch's RNG in the first run of a session only
+ASYNC_RUN = [
+    "train.max_steps=4",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=0",
+    "log.interval=1",
+    "log.peak_tflops=1",
+]
+
+
+def same(a, b, where: str) -> None:
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        same(vars(a), vars(b), where)
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def assert_same_checkpoint(sync_dir: Path, async_dir: Path) -> None:
+    """Every file of both has the same content: torch files unpickled (their zip archives carry a random
+    serialization id), safetensors tensor by tensor, the rest byte for byte."""
+    files = json.loads((sync_dir / "manifest.json").read_text())["files"]
+    assert json.loads((async_dir / "manifest.json").read_text())["files"].keys() == files.keys()
+    for name in files:
+        a, b = sync_dir / name, async_dir / name
+        if name.endswith(".pt"):
+            same(safe_load(a), safe_load(b), name)
+        elif name.endswith(".safetensors"):
+            same(load_file(a), load_file(b), name)
+        elif name == "config.yaml":  # the runs differ in these two keys only
+            configs = [yaml.safe_load(p.read_text()) for p in (a, b)]
+            for c in configs:
+                del c["run"]["dir"], c["checkpoint"]["async_save"]
+            assert configs[0] == configs[1]
+        elif name == "trainer_state.json":  # and in the wall-clock time they took
+            states = [json.loads(p.read_text()) for p in (a, b)]
+            for s in states:
+                del s["run_state"]["elapsed_s"]
+            assert states[0] == states[1]
+        else:
+            assert a.read_bytes() == b.read_bytes(), name
+
+
+def test_async_checkpoints_equal_sync_ones_and_resume_the_same(world1, builtin_cache, tmp_path):
+    """checkpoint.async=true: the checkpoints hold exactly what a synchronous save writes (DeepSpeed's
+    shards, universal/, RNG, run state), every one is published, and a resume from one continues with the
+    uninterrupted run's losses. ``latest`` names a checkpoint with a manifest at every step boundary."""
+    from goat_dist.trainer.callbacks import Callback
+    from goat_dist.trainer.trainer import Trainer
+
+    sync_run, async_run, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
+    Trainer(in_process_config(builtin_cache, sync_run, *ASYNC_RUN)).fit()
+
+    class LatestIsComplete(Callback):
+        seen: list = []
+
+        def on_log(self, state, metrics):
+            pointer = async_run / "checkpoints" / "latest"
+            if pointer.is_file():
+                tag = pointer.read_text()
+                verify(async_run / "checkpoints" / tag)
+                self.seen.append(tag)
+
+    trainer = Trainer(in_process_config(builtin_cache, async_run, *ASYNC_RUN, "checkpoint.async=true"))
+    trainer.callbacks.append(LatestIsComplete())
+    trainer.fit()
+    assert trainer.checkpoints.pending is None
+    assert (async_run / "checkpoints" / "latest").read_text() == "step_00000004"
+    assert "step_00000002" in LatestIsComplete.seen
+    events = [json.loads(line) for line in (async_run / "metrics.jsonl").read_text().splitlines()]
+    published = [e for e in events if e.get("event") == "checkpoint"]
+    assert [Path(e["path"]).name for e in published] == ["step_00000002", "step_00000004"]
+    assert all(e["pause_s"] <= e["save_s"] for e in published)
+    for tag in ("step_00000002", "step_00000004"):
+        assert_same_checkpoint(sync_run / "checkpoints" / tag, async_run / "checkpoints" / tag)
+
+    start = async_run / "checkpoints" / "step_00000002"
+    Trainer(in_process_config(builtin_cache, resumed, *ASYNC_RUN, f"train.resume={start}")).fit()
+    expected, got = per_step(sync_run), per_step(resumed)
+    assert min(got) == 3
+    for step in (3, 4):
+        assert got[step] == expected[step], f"step {step}: {got[step]} vs {expected[step]}"
+
+
+def async_trainer(cache: Path, run_dir: Path):
+    """A 2-step async run, finished (latest: step 2), to save more checkpoints from by hand."""
+    from goat_dist.trainer.trainer import Trainer
+
+    trainer = Trainer(in_process_config(cache, run_dir, "train.max_steps=2", "checkpoint.async=true"))
+    trainer.fit()
+    return trainer
+
+
+def test_latest_moves_only_after_every_background_write(world1, builtin_cache, tmp_path, monkeypatch):
+    """While an async save's files are still being written, the previous checkpoint stays ``latest`` and the
+    new one has no manifest; ``poll`` does not publish it; once the writes finish, ``wait`` does."""
+    trainer = async_trainer(builtin_cache, tmp_path)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000002"
+    gate = threading.Event()
+    submit = staging.BackgroundWriter.submit
+
+    def gated(self, path, write):
+        def held(p):
+            assert gate.wait(60)
+            write(p)
+
+        submit(self, path, held)
+
+    monkeypatch.setattr(staging.BackgroundWriter, "submit", gated)
+    trainer.state.step = 3
+    step_dir = trainer.save_checkpoint()
+    assert step_dir.name == "step_00000003" and trainer.checkpoints.pending is not None
+    assert (root / "latest").read_text() == "step_00000002"
+    assert not (step_dir / "manifest.json").exists()
+    assert trainer.checkpoints.poll() is None and trainer.checkpoints.pending is not None
+    gate.set()
+    assert trainer.checkpoints.wait() == step_dir
+    assert (root / "latest").read_text() == "step_00000003"
+    verify(step_dir)
+
+
+def test_a_failed_background_write_is_an_error_and_publishes_nothing(
+    world1, builtin_cache, tmp_path, monkeypatch
+):  # noqa: E501
+    trainer = async_trainer(builtin_cache, tmp_path)
+    submit = staging.BackgroundWriter.submit
+
+    def failing(self, path, write):
+        def broken(p):
+            raise OSError(28, "No space left on device")
+
+        submit(self, path, broken if Path(path).name.startswith("rng") else write)
+
+    monkeypatch.setattr(staging.BackgroundWriter, "submit", failing)
+    trainer.state.step = 3
+    trainer.save_checkpoint()
+    with pytest.raises(CheckpointError, match=r"writing rng_rank0\.pt failed: OSError.*No space left"):
+        trainer.checkpoints.wait()
+    assert trainer.checkpoints.pending is None
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000002"
+
+
+@pytest.mark.slow
+def test_crash_while_async_writes_are_in_flight_keeps_previous_latest(tmp_path, builtin_cache):
+    """A real crash (SIGKILL) after the first file of step 4's background write: step 2 stays latest and
+    intact, step 4 has no manifest."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "train.max_steps=6",
+        "checkpoint.interval=2",
+        "checkpoint.async=true",
+        f"data.cache_dir={builtin_cache}",
+        f"run.dir={run_dir}",
+    ]
+    proc = run_cmd(goat_train_command(1, overrides), expect=None, GOAT_FAULT="async_write:4")
+    assert proc.returncode != 0
+    root = run_dir / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000002"
+    verify(root / "step_00000002")
+    assert (root / "step_00000004").is_dir() and not (root / "step_00000004" / "manifest.json").exists()
