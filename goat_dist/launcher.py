@@ -31,11 +31,19 @@ LAUNCHER_VARS = frozenset(
 
 
 def child_env(base: dict | None = None, **extra: str) -> dict:
-    """``base`` (default: this environment) without a parent world's launcher variables, plus ``extra``."""
+    """``base`` (default: this environment) without a parent world's launcher variables, plus ``extra``;
+    ``DS_ACCELERATOR`` defaults to this machine's (cuda where a GPU is visible)."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCHER_VARS}
-    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("DS_ACCELERATOR", _accelerator())
     env.update(extra)
     return env
+
+
+def _accelerator() -> str:
+    """DeepSpeed's accelerator for a child on this machine: cuda where a GPU is visible, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def launch_command(nproc: int, args: list[str]) -> list[str]:
