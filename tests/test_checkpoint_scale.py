@@ -88,8 +88,8 @@ def test_verify_needs_no_process_group(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path):
     """Two ranks: each hashes a share of the files (together every file once, the same digests one process
-    computes); resume's check hashes in shares too, and a corrupt file or a failed write on one rank is the
-    same CheckpointError, naming the file, on every rank."""
+    computes; a file a writer already hashed is not read again); resume's check hashes in shares too, and a
+    corrupt file or a failed write on one rank is the same CheckpointError, naming the file, on every rank."""
     step_dir = fake_step_dir(tmp_path)
     write_manifest(step_dir, {"step": 7})
     single = json.loads((step_dir / "manifest.json").read_text())["files"]
@@ -112,6 +112,10 @@ def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path
     assert ranks[0]["files"] == ranks[1]["files"] == single
     hashed = [set(r["hashed"]) for r in ranks]
     assert all(hashed) and not hashed[0] & hashed[1] and hashed[0] | hashed[1] == set(single)
+    assert all(r["again_same"] for r in ranks)  # with a.pt's digest known on rank 1 ...
+    assert "a.pt" not in ranks[0]["rehashed"] + ranks[1]["rehashed"]  # ... nobody reads it again
+    resized = {r["resized"] for r in ranks}
+    assert len(resized) == 1 and "a.pt has 30000 bytes on rank 0" in resized.pop()
     assert [r["intact"] for r in ranks] == ["ok", "ok"]
     corrupt = {r["corrupt"] for r in ranks}
     assert len(corrupt) == 1, corrupt  # the same message on both ranks
@@ -122,6 +126,23 @@ def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path
 
 
 # ---- asynchronous saves ----------------------------------------------------------------------------------
+def test_staging_copies_keep_storage_sharing_and_stop_following_training():
+    """The staged copy shares storage where the state did (a tied embedding, views into one flat buffer),
+    keeps parameters parameters, and no longer changes when training updates the originals in place."""
+    w, flat = torch.randn(10, 4), torch.randn(64)
+    state = {"emb": w, "out": w, "a": flat[:8].view(2, 4), "b": [flat[8:40]], "p": torch.nn.Parameter(w[0])}
+    staged = staging.stage(state)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert ptr(staged["emb"]) == ptr(staged["out"]) != ptr(w)
+    assert ptr(staged["a"]) == ptr(staged["b"][0]) and staged["b"][0].storage_offset() == 8
+    assert isinstance(staged["p"], torch.nn.Parameter)
+    expected = {k: v.clone() for k, v in state.items() if k != "b"}
+    w.add_(1.0)
+    flat.zero_()
+    for k, v in expected.items():
+        assert torch.equal(staged[k], v), k
+
+
 # log.peak_tflops set: no CPU matmul probe, which draws from torch's RNG in the first run of a session only
 ASYNC_RUN = [
     "train.max_steps=4",
@@ -248,10 +269,15 @@ def test_latest_moves_only_after_every_background_write(world1, builtin_cache, t
     assert (root / "latest").read_text() == "step_00000002"
     assert not (step_dir / "manifest.json").exists()
     assert trainer.checkpoints.poll() is None and trainer.checkpoints.pending is not None
-    gate.set()
-    assert trainer.checkpoints.wait() == step_dir
+    # the next save waits for the pending one and publishes it first (here: once the writes are let go)
+    threading.Timer(0.5, gate.set).start()
+    trainer.state.step = 4
+    trainer.save_checkpoint()
     assert (root / "latest").read_text() == "step_00000003"
     verify(step_dir)
+    assert trainer.checkpoints.pending.step_dir.name == "step_00000004"
+    assert trainer.checkpoints.wait().name == "step_00000004"
+    assert (root / "latest").read_text() == "step_00000004"
 
 
 def test_a_failed_background_write_is_an_error_and_publishes_nothing(

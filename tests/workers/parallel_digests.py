@@ -39,6 +39,14 @@ def main() -> None:
 
     digests.digest = recording
     files = digests.digest_files(step_dir)
+    # a file its writer already hashed (rank 1 here) is not read again; a wrong size for one is an error
+    before = len(hashed)
+    known = {"a.pt": files["a.pt"]} if rank == 1 else {}
+    again = digests.digest_files(step_dir, known=known)
+    rehashed = hashed[before:]
+    wrong = {"a.pt": {**files["a.pt"], "bytes": 1}} if rank == 1 else {}
+    resized = outcome(lambda: digests.digest_files(step_dir, known=wrong))
+    del hashed[before:]
     digests.digest = original
     if rank == 0:
         (step_dir / MANIFEST).write_text(json.dumps({"files": files, "step": 7}))
@@ -57,6 +65,9 @@ def main() -> None:
     result = {
         "files": files,
         "hashed": hashed,
+        "again_same": again == files,
+        "rehashed": rehashed,
+        "resized": resized,
         "intact": intact,
         "corrupt": corrupt,
         "sizes_only": sizes_only,
