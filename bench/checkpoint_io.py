@@ -2,9 +2,15 @@
 
 Each stage runs under torchrun (2 processes, gloo): build the model (12 layers, hidden 768, 12 heads,
 vocab 50304), take one training step so that Adam state exists, then time ``CheckpointManager.save``
-(DeepSpeed shards + the layout-independent universal copy + manifest with sha256 + atomic publish),
-``load`` into the same engine (DeepSpeed's shards: the same-layout path) and ``universal.load`` (the
-layout-change path: every rank reads only the slices it holds). Prints bytes written and MB/s per phase.
+(DeepSpeed shards + the layout-independent universal copy + manifest with sha256 hashed by both ranks in
+parallel + atomic publish), ``load`` into the same engine (DeepSpeed's shards: the same-layout path) and
+``universal.load`` (the layout-change path: every rank reads only the slices it holds), then an
+asynchronous save (``checkpoint.async``): the training loop's pause (``save_async``: staging in host
+memory) and the time until it is published (``wait``).
+
+Prints, per stage: bytes written / (model + optimizer-state bytes) (the state: fp32 masters + Adam's two
+moments, + the bf16 weights in bf16, counted once, not per replica), split into DeepSpeed's shards and
+universal/; save and load times and MB/s; the async pause vs the sync save, ratio last.
 
     python bench/checkpoint_io.py [--layers 12] [--hidden 768] [--precision fp32|bf16]
 """
@@ -20,6 +26,36 @@ import time
 from pathlib import Path
 
 from goat_dist.launcher import child_env, launch_command
+
+
+def same_contents(sync_dir: Path, async_dir: Path) -> str:
+    """'yes' when every torch / safetensors file of the two checkpoints holds the same values, else the
+    first file that differs (the async save of the same state must write what the sync save wrote)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from goat_dist.checkpoint.safe_load import load
+
+    def equal(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            bits = lambda t: t.detach().contiguous().view(-1).view(torch.uint8)  # noqa: E731 - NaN padding too
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        if isinstance(a, (bool, int, float, str)):
+            return type(a) is type(b) and a == b
+        return type(a) is type(b)  # DeepSpeed's objects (config, loss scaler): the structure only
+
+    for path in sorted(sync_dir.rglob("*")):
+        other = async_dir / path.relative_to(sync_dir)
+        if path.suffix == ".pt" and not path.name.startswith("rng"):
+            if not equal(load(path), load(other)):
+                return f"differs: {path.name}"
+        elif path.suffix == ".safetensors" and not equal(load_file(path), load_file(other)):
+            return f"differs: {path.name}"
+    return "yes"
 
 
 def worker(args) -> None:
@@ -59,7 +95,7 @@ def worker(args) -> None:
         loss = engine(tokens[:, :-1], torch.arange(128)[None], tokens[:, 1:])
     engine.backward(loss)
     engine.step()
-    manager = CheckpointManager(Path(args.out).parent / "run", keep_last=1, is_main=layout.is_main)
+    manager = CheckpointManager(Path(args.out).parent / "run", keep_last=0, is_main=layout.is_main)
     state = {
         "step": 1,
         "run_state": {},
@@ -69,6 +105,19 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     step_dir = manager.save(engine, state, "model: {}\n")
     save_s = time.perf_counter() - t0
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
+    ds = sum(p.stat().st_size for p in files if "universal" not in p.parts)
+    uni = sum(p.stat().st_size for p in files if "universal" in p.parts)
+    # the asynchronous save of the same state (step 2): the loop's pause, then the background writes
+    dist.barrier()
+    t0 = time.perf_counter()
+    async_dir = manager.save_async(engine, {**state, "step": 2}, "model: {}\n")
+    pause_s = time.perf_counter() - t0
+    manager.wait()
+    publish_s = time.perf_counter() - t0
+    async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
+    same = same_contents(step_dir, async_dir) if layout.is_main else None
+    dist.barrier()
     t0 = time.perf_counter()
     manager.load(engine, step_dir, {k: state[k] for k in ("world", "tp", "dp", "zero_stage")})
     load_s = time.perf_counter() - t0
@@ -78,9 +127,6 @@ def worker(args) -> None:
     dist.barrier()
     universal_load_s = time.perf_counter() - t0
     if layout.is_main:
-        files = [p for p in step_dir.rglob("*") if p.is_file()]
-        ds = sum(p.stat().st_size for p in files if "universal" not in p.parts)
-        uni = sum(p.stat().st_size for p in files if "universal" in p.parts)
         params = (
             sum(p.numel() for p in model.parameters())
             if args.stage < 3
@@ -95,6 +141,10 @@ def worker(args) -> None:
                     "ds_bytes": ds,
                     "universal_bytes": uni,
                     "params": params,
+                    "async_pause_s": pause_s,
+                    "async_publish_s": publish_s,
+                    "async_bytes": async_bytes,
+                    "async_same": same,
                 }
             )
         )
@@ -136,13 +186,28 @@ def main() -> None:
                 sys.exit(f"ZeRO-{stage} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(out.read_text())
             total = r["ds_bytes"] + r["universal_bytes"]
+            # one copy of the training state: fp32 masters + exp_avg + exp_avg_sq (+ bf16 weights)
+            state = r["params"] * (4 + 4 + 4 + (2 if args.precision == "bf16" else 0))
             ds_mb, uni_mb = r["ds_bytes"] / 1e6, r["universal_bytes"] / 1e6
+            ds_x, uni_x = r["ds_bytes"] / state, r["universal_bytes"] / state
             print(
-                f"  ZeRO-{stage}: {r['params'] / 1e6:.0f}M params | written {total / 1e6:8.1f} MB "
-                f"(DeepSpeed shards {ds_mb:.1f} + universal {uni_mb:.1f}) | "
-                f"save {r['save_s']:6.1f} s = {total / 1e6 / r['save_s']:6.1f} MB/s | "
+                f"  ZeRO-{stage}: {r['params'] / 1e6:.0f}M params, state {state / 1e6:.1f} MB | written "
+                f"{total / 1e6:.1f} MB = {total / state:.2f} x state (DeepSpeed shards {ds_mb:.1f} MB = "
+                f"{ds_x:.2f} x, universal {uni_mb:.1f} MB = {uni_x:.2f} x)",
+                flush=True,
+            )
+            print(
+                f"    save {r['save_s']:6.1f} s = {total / 1e6 / r['save_s']:6.1f} MB/s | "
                 f"load {r['load_s']:6.1f} s = {r['ds_bytes'] / 1e6 / r['load_s']:6.1f} MB/s | "
                 f"universal load {r['universal_load_s']:6.1f} s = {uni_mb / r['universal_load_s']:6.1f} MB/s",
+                flush=True,
+            )
+            print(
+                f"    async: published after {r['async_publish_s']:6.1f} s "
+                f"({r['async_bytes'] / 1e6:.1f} MB) | "
+                f"loop paused {r['async_pause_s']:6.2f} s vs sync save {r['save_s']:6.1f} s | "
+                f"same contents as the sync save: {r['async_same']} | "
+                f"pause / sync save {r['async_pause_s'] / r['save_s']:.3f}",
                 flush=True,
             )
 

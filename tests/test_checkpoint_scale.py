@@ -156,7 +156,8 @@ ASYNC_RUN = [
 def same(a, b, where: str) -> None:
     assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        bits = [t.detach().contiguous().view(-1).view(torch.uint8) for t in (a, b)]  # bitwise, NaN too
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(*bits), where
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for k in a:
@@ -319,3 +320,18 @@ def test_crash_while_async_writes_are_in_flight_keeps_previous_latest(tmp_path, 
     assert (root / "latest").read_text() == "step_00000002"
     verify(root / "step_00000002")
     assert (root / "step_00000004").is_dir() and not (root / "step_00000004" / "manifest.json").exists()
+
+
+def test_a_stop_signal_with_async_saves_publishes_before_returning(world1, builtin_cache, tmp_path):
+    """A preemption signal (here: the flag SIGTERM sets) with checkpoint.async: the stop's checkpoint is
+    published before the loop returns, as with synchronous saves."""
+    from goat_dist.trainer.trainer import Trainer
+
+    cfg = in_process_config(builtin_cache, tmp_path, "train.max_steps=50", "checkpoint.async=true")
+    trainer = Trainer(cfg)
+    trainer.signals.received = "SIGTERM"
+    state = trainer.fit()
+    assert state.stop_requested == "SIGTERM" and state.step == 1
+    assert trainer.checkpoints.pending is None
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001"
+    verify(tmp_path / "checkpoints" / "step_00000001")
