@@ -21,11 +21,12 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-runs/gpu_suite}}
 mkdir -p "$OUT_DIR"
 export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 t0=$(date +%s)
 
 install_rc=0
 if [[ -z "${GOAT_SKIP_INSTALL:-}" ]]; then
-  mapfile -t REQS < <(python - <<'PY'
+  mapfile -t REQS < <("$PY" - <<'PY'
 import re
 try:
     import tomllib
@@ -39,29 +40,29 @@ PY
   PIP_ARGS=(--only-binary=:all:)
   if [[ -n "${GOAT_WHEELHOUSE:-}" ]]; then PIP_ARGS+=(--no-index --find-links "$GOAT_WHEELHOUSE"); fi
   echo "== installing the gpu extra from wheels: ${REQS[*]}"
-  python -m pip install -q "${PIP_ARGS[@]}" "${REQS[@]}"
+  "$PY" -m pip install -q "${PIP_ARGS[@]}" "${REQS[@]}"
   install_rc=$?
 fi
 t1=$(date +%s)
 echo "== install: exit $install_rc, $((t1 - t0)) s"
-python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-python -c "import flash_attn.cute as f; print('flash_attn.cute', f.__file__)" || echo "flash_attn.cute: not importable"
+"$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+"$PY" -c "import flash_attn.cute as f; print('flash_attn.cute', f.__file__)" || echo "flash_attn.cute: not importable"
 
 echo "== goat-dist train on one GPU: NCCL smoke + resume, MFU of 125M and 1.3B"
-timeout "${GOAT_TRAIN_TIMEOUT:-260}" python bench/gpu_train.py --out "$OUT_DIR"
+timeout "${GOAT_TRAIN_TIMEOUT:-250}" "$PY" bench/gpu_train.py --out "$OUT_DIR"
 train_rc=$?
 t2=$(date +%s)
 echo "== train: exit $train_rc, $((t2 - t1)) s"
 
 echo "== tests/gpu"
-timeout "${GOAT_TESTS_TIMEOUT:-150}" python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/tests.txt"
+timeout "${GOAT_TESTS_TIMEOUT:-140}" "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 t3=$(date +%s)
 echo "== tests/gpu: exit $tests_rc, $((t3 - t2)) s"
 
 echo "== GOAT vs plain attention TFLOP/s"
 # shellcheck disable=SC2086  # GOAT_ATTENTION_ARGS is a list of flags
-timeout "${GOAT_BENCH_TIMEOUT:-150}" python bench/gpu_attention.py --out "$OUT_DIR" ${GOAT_ATTENTION_ARGS:-}
+timeout "${GOAT_BENCH_TIMEOUT:-140}" "$PY" bench/gpu_attention.py --out "$OUT_DIR" ${GOAT_ATTENTION_ARGS:-}
 bench_rc=$?
 t4=$(date +%s)
 echo "== bench: exit $bench_rc, $((t4 - t3)) s; total $((t4 - t0)) s"

@@ -10,7 +10,7 @@ median over the last steps of what the trainer itself logs (``perf/mfu``, ``perf
 the project's FLOP count against the device's bf16 peak. Writes ``gpu_train.json`` to ``--out`` (with the
 end of the log of any run that failed); run dirs and logs go to ``--work``.
 
-    python bench/gpu_train.py [--out DIR] [--work DIR] [--models 125m 1.3b] [--steps 12]
+    python bench/gpu_train.py [--out DIR] [--work DIR] [--models 125m 1.3b] [--steps 8]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_suite")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "gpu_train")
     ap.add_argument("--models", nargs="*", default=["125m", "1.3b"], choices=sorted(MICRO))
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cache", default=str(ROOT / "runs" / "gpu_cache"))
     ap.add_argument("--skip-smoke", action="store_true")
     ap.add_argument("--precision", default="bf16", help="of the smoke run (fp32 to try the script on a CPU)")
@@ -112,10 +112,11 @@ def main() -> int:
     if not args.skip_smoke:
         result["smoke"] = smoke(args.work, args.cache, args.precision)
         print("smoke:", json.dumps(result["smoke"]), flush=True)
+        (args.out / "gpu_train.json").write_text(json.dumps(result, indent=2) + "\n")  # kept if cut short
     for model in args.models:
         result[f"mfu_{model}"] = mfu(model, args.work, args.cache, args.steps)
         print(f"mfu {model}:", json.dumps(result[f"mfu_{model}"]), flush=True)
-    (args.out / "gpu_train.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / "gpu_train.json").write_text(json.dumps(result, indent=2) + "\n")
     ok = result.get("smoke", {}).get("ok", True) and all(
         result[f"mfu_{m}"]["exit_code"] == 0 for m in args.models
     )
