@@ -139,3 +139,23 @@ def test_context_parallelism_partitions_zero_over_dp_x_cp_and_costs_a_kv_exchang
     assert cp2["memory"]["state"] == cp1["memory"]["state"]
     assert cp2["memory"]["activations"]["total"] < 0.55 * cp1["memory"]["activations"]["total"]
     assert cp1["throughput"]["cp_comm_s"] == 0 < cp2["throughput"]["cp_comm_s"]
+
+
+def test_the_verdict_words_follow_the_headroom():
+    """fits: at least 10 % of the budget left; tight: less; does not fit: over the budget."""
+    path = ROOT / "configs/models/goat_1.3b.yaml"
+    h100 = gpu("h100-80gb")
+    best = largest_micro_batch(load_config(path), 8, h100)
+
+    def verdict(micro: int) -> str:
+        cfg = load_config(path, [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * 8}"])
+        return make_plan(cfg, 1, 8, h100)["verdict"]
+
+    assert verdict(1) == "fits"
+    assert verdict(best) in ("fits", "tight")
+    assert verdict(best + 1) == "does not fit"
+    budget = int(h100.memory_bytes * 0.95)
+    tight = [
+        m for m in range(1, best + 1) if budget - memory_at(load_config(path), 8, m)["total"] < 0.1 * budget
+    ]
+    assert tight and all(verdict(m) == "tight" for m in tight)
