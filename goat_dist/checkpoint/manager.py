@@ -178,6 +178,7 @@ class CheckpointManager:
             stage_universal(engine, engine.module, step_dir, step, writer)
         queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
         self._write_run_files(step_dir, trainer_state, config_text)
+        writer.start()
         paused = time.perf_counter() - started
         self.pending = PendingSave(step_dir, step, writer, started, paused, fault_hook)
         trainer_state["last_save_s"] = paused

@@ -141,6 +141,10 @@ class BackgroundWriter:
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._thread = threading.Thread(target=self._run, name="goat-ckpt-writer", daemon=True)
+
+    def start(self) -> None:
+        """Begin writing what was queued (after staging: the writes do not compete with the staging copies
+        and collectives for the CPU while the training loop is paused)."""
         self._thread.start()
 
     def submit(self, path: Path, write) -> None:

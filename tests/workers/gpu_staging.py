@@ -66,6 +66,7 @@ def checks(tmp: Path) -> dict:
     ok["values_after_reuse"] = torch.equal(again["emb"], w.cpu())
     writer = staging.BackgroundWriter(tmp, buffers)
     staging.queue_torch_save(writer, sd, tmp / "x.pt")
+    writer.start()
     writer.wait()
     writer.close()
     back = torch.load(tmp / "x.pt", weights_only=True)
@@ -88,6 +89,7 @@ def timing(tmp: Path, gb: float) -> dict:
         writer = staging.BackgroundWriter(tmp, pool)
         t0 = time.perf_counter()
         staging.queue_torch_save(writer, big, tmp / f"a{rep}.pt")
+        writer.start()
         pause = time.perf_counter() - t0
         writer.wait()
         runs.append({"pause_s": pause, "published_s": time.perf_counter() - t0})
