@@ -13,12 +13,13 @@ single-process losses from the next step on.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from multiproc import ROOT, TINY, launch_command, per_step
+from multiproc import ROOT, TINY, launch_command, per_step, records
 from multiproc import run as run_cmd
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,11 @@ def two_ranks(builtin_cache, tmp_path_factory):
         2,
         out,
         builtin_cache,
-        ["train:cp2:parallel.cp=2,checkpoint.interval=5", f"train:cp2-docs:parallel.cp=2,{DOCS}"],
+        [
+            "train:cp2:parallel.cp=2,checkpoint.interval=5",
+            # the last step evaluates too: attention statistics are skipped under CP (README)
+            f"train:cp2-docs:parallel.cp=2,{DOCS},train.eval_interval=10,train.eval_batches=1",
+        ],
     )
     return out
 
@@ -139,3 +144,13 @@ def test_cp2_checkpoint_resumes_on_one_process(world1, builtin_cache, references
         ref, ref_fingerprint = references["plain"][step]
         assert fingerprint == ref_fingerprint, f"step {step}"
         assert abs(loss - ref) <= 1e-4 * ref, f"resumed step {step}: {loss} vs uninterrupted {ref}"
+
+
+def test_cp_evaluates_without_attention_statistics(two_ranks):
+    """``log.attention_stats`` (on by default) is skipped under CP; the validation loss is still logged."""
+    from goat_dist.observe.attention_stats import FIELDS
+
+    evals = [r for r in records(two_ranks / "cp2-docs") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10]
+    assert math.isfinite(evals[0]["val_loss"])
+    assert not set(FIELDS) & set(evals[0])
