@@ -12,7 +12,8 @@ def fault_due(point: str, step: int, micro: int = 0, dp_rank: int = 0) -> bool:
     """Test hooks, ``GOAT_FAULT=<point>:<step>[:<micro>[:<dp_rank>]]`` (micro-batch and DP rank default to
     0; ``<step>`` may be a range ``a-b``). Points: ``nonfinite`` (a NaN in that micro-batch's loss),
     ``nonfinite_grad`` (a finite loss whose gradient is NaN),
-    ``nonfinite_weights`` (a NaN written into the weights after that step's update), ``before_publish``."""
+    ``nonfinite_weights`` (a NaN written into the weights after that step's update), ``before_publish``,
+    ``async_write`` (a crash while ``checkpoint.async``'s background writer writes that step's files)."""
     spec = os.environ.get("GOAT_FAULT", "").split(":")
     if spec[0] != point or len(spec) < 2:
         return False
@@ -23,6 +24,7 @@ def fault_due(point: str, step: int, micro: int = 0, dp_rank: int = 0) -> bool:
 
 def fault_hook(point: str, step_dir: Path) -> None:
     """Test hook: ``GOAT_FAULT=before_publish:<step>`` kills the process after the shards of that step are
-    written and before the checkpoint is published (a crash mid-save)."""
+    written and before the checkpoint is published (a crash mid-save); ``async_write:<step>`` kills it in
+    the middle of the background write of an async save."""
     if fault_due(point, int(step_dir.name.split("_")[1])):
         os.kill(os.getpid(), signal.SIGKILL)
