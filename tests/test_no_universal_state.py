@@ -43,4 +43,4 @@ def test_resume_on_another_layout_and_init_from_refuse(step_dir, world1):
     with pytest.raises(CheckpointError, match=r"saved with layout .* no universal/ state .*its own layout"):
         manager.load(None, step_dir, {**LAYOUT, "tp": 2, "world": 2})
     with pytest.raises(CheckpointError, match=r"no universal/ state .*: train.init_from needs it"):
-        init_weights(None, None, step_dir, optimizer=False, is_main=True)
+        init_weights(None, None, step_dir, optimizer=False)

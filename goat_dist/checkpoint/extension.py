@@ -18,7 +18,8 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from .errors import CheckpointError, raise_on_every_rank
+from .digests import raise_everywhere
+from .errors import CheckpointError
 from .names import STATE
 
 
@@ -60,11 +61,11 @@ def agree_on_source(init_from: str) -> Path:
             mine = str(resolve_step_dir(init_from))
         except CheckpointError as e:
             error = f"train.init_from={init_from}: {e}"
-    raise_on_every_rank(error, f"train.init_from={init_from} could not be resolved on rank 0")
+    raise_everywhere(error)
     return agree_on_checkpoint(mine, lambda: None, key="train.init_from")  # an error names that key
 
 
-def init_weights(engine, model, step_dir: Path, optimizer: bool, is_main: bool) -> dict:
+def init_weights(engine, model, step_dir: Path, optimizer: bool) -> dict:
     """Collective: this run's weights (and with ``optimizer`` Adam's moments and step count) from
     ``step_dir``'s universal state; the run's own step, data and LR schedule are untouched."""
     import json
@@ -75,14 +76,14 @@ def init_weights(engine, model, step_dir: Path, optimizer: bool, is_main: bool) 
     step_dir = Path(step_dir)
     error = ""
     try:
-        verify(step_dir, checksums=is_main)
+        verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
         if not (step_dir / "universal" / "meta.json").is_file():
             raise CheckpointError(
                 f"{step_dir} has no universal/ state (checkpoint.universal was off): train.init_from needs it"
             )
     except CheckpointError as e:
         error = str(e)
-    raise_on_every_rank(error, f"checkpoint {step_dir} failed verification on another rank")
+    raise_everywhere(error)
     step = json.loads((step_dir / STATE).read_text())["step"]
     keys = universal.KEYS if optimizer else ("",)
     universal.load(

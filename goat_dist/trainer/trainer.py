@@ -128,7 +128,6 @@ class Trainer:
                     self.engine.module,
                     self.init_source,
                     self.cfg.train.init_optimizer,
-                    self.layout.is_main,
                 )
                 if self.layout.is_main:
                     carried = "weights and Adam state" if info["optimizer"] else "weights (Adam starts empty)"
