@@ -67,6 +67,26 @@ def in_process_config(cache: Path, run_dir: Path, *overrides: str):
     return load_config(None, [*IN_PROCESS, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides])
 
 
+# a one-layer model for tests that build an engine in-process (no data, no run dir)
+ONE_LAYER = [
+    "model.num_layers=1",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.seq_len=32",
+    "model.vocab_size=300",
+    "model.attention_backend=sdpa",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
+
+
+def one_layer_config(*overrides: str):
+    """A validated Config of the ONE_LAYER model; later overrides win."""
+    from goat_dist.config import load_config
+
+    return load_config(None, [*ONE_LAYER, *overrides])
+
+
 def goat_train_command(nproc: int, overrides: list[str], precision: str = "fp32") -> list[str]:
     return launch_command(nproc, ["-m", "goat_dist", "train", *tiny(precision), *overrides])
 
@@ -77,6 +97,7 @@ __all__ = [
     "TINY",
     "clean_env",
     "in_process_config",
+    "one_layer_config",
     "tiny",
     "goat_train_command",
     "launch_command",

@@ -7,28 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc import one_layer_config
 
-from goat_dist.config import load_config
 from goat_dist.model import GPT
 from goat_dist.trainer.parallelize import parallelize
 
 
 def config(stage: int):
-    return load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "model.vocab_size=300",
-            "model.attention_backend=sdpa",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=2",
-            "train.precision=bf16",
-            f"parallel.zero_stage={stage}",
-        ],
-    )
+    return one_layer_config("train.precision=bf16", f"parallel.zero_stage={stage}")
 
 
 def bf16_engine(stage: int):

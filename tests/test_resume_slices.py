@@ -75,23 +75,10 @@ def test_reader_names_a_missing_parameter(tmp_path):
 
 
 def _cfg(precision: str, stage: int, position: str):
-    from goat_dist.config import load_config
+    from multiproc import one_layer_config
 
-    return load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "model.vocab_size=300",
-            f"model.position={position}",
-            "model.attention_backend=sdpa",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=2",
-            f"train.precision={precision}",
-            f"parallel.zero_stage={stage}",
-        ],
+    return one_layer_config(
+        f"model.position={position}", f"train.precision={precision}", f"parallel.zero_stage={stage}"
     )
 
 

@@ -6,14 +6,16 @@ must be. Writes one JSON per rank."""
 import json
 import sys
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: multiproc
 
 import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from multiproc import one_layer_config  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
-from goat_dist.config import load_config  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
 from goat_dist.observe.step_metrics import param_sumsq_share  # noqa: E402
 from goat_dist.parallel.zero3 import partition_span  # noqa: E402
@@ -23,21 +25,9 @@ from goat_dist.trainer.parallelize import parallelize  # noqa: E402
 
 def main(out: str) -> None:
     layout = distributed.init(tp=1)
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "model.vocab_size=300",
-            "model.attention_backend=sdpa",
-            "train.micro_batch_size=1",
-            "train.global_batch_size=2",
-            "parallel.zero_stage=3",
-            "train.precision=bf16",
-        ],
-    )
+    cfg = one_layer_config(
+        "train.micro_batch_size=1", "parallel.zero_stage=3", "train.precision=bf16"
+    )  # one sequence per DP rank
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
