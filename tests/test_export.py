@@ -6,6 +6,7 @@ import json
 
 import torch
 import yaml
+from multiproc import one_layer_config
 
 from goat_dist.checkpoint import CheckpointManager
 from goat_dist.checkpoint.export import export, inspect
@@ -16,19 +17,7 @@ from goat_dist.trainer.parallelize import parallelize
 
 
 def test_export_load_logits_match_training_model(world1, tmp_path):
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "model.vocab_size=300",
-            "model.attention_backend=sdpa",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=2",
-        ],
-    )
+    cfg = one_layer_config("model.num_layers=2")
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
@@ -85,20 +74,7 @@ def test_bf16_export_is_the_fp32_masters_with_the_prior_kept_fp32(world1, tmp_pa
 
     from goat_dist.checkpoint.masters import layout_of
 
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=1",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.seq_len=32",
-            "model.vocab_size=300",
-            "model.attention_backend=sdpa",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=2",
-            "train.precision=bf16",
-        ],
-    )
+    cfg = one_layer_config("train.precision=bf16")
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
