@@ -10,7 +10,7 @@ fsyncs each, reads it back and records its sha256 (so publishing need not hash i
   stages the state dict and queues the ``torch.save``. Tensors that share storage (tied embeddings,
   views into flat ZeRO partitions) share it in the staged copy, so the files hold what a synchronous
   save writes.
-- The universal copy (``stage_universal``): gathered as ``universal.save`` gathers it (the same collectives
+- The universal copy (``stage_universal``): ``universal.save`` itself (the same collectives
   over DP), copied to host memory, written by the background thread.
 - The RNG states are captured (already copies) and written by the thread; ``trainer_state.json``,
   ``config.yaml`` and ``universal/meta.json`` are small and written at once.
@@ -243,38 +243,21 @@ def staging_engine(engine, writer: BackgroundWriter):
 
 
 def stage_universal(engine, model, step_dir: Path, step: int, writer: BackgroundWriter) -> None:
-    """Collective: ``universal.save``'s contents, gathered the same way (collective over DP under ZeRO),
-    staged in host memory; the DP rank 0 of each TP rank queues its ``tp<R>.safetensors``, rank 0 writes
-    ``meta.json`` now. The asynchronous twin of ``universal.save``: the async-vs-sync test compares them."""
-    import json
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    """Collective: ``universal.save`` with its tensors staged in host memory and its safetensors file
+    queued on ``writer`` (``meta.json`` is written now)."""
     from safetensors.torch import save_file
 
-    from ..atomic import atomic_write_text
-    from .masters import layout_of
-    from .slices import tensor_key
-    from .universal import split_meta
+    from . import universal
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    is_writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    masters = layout_of(engine)
-    masters.prepare()
-    tensors, meta = {}, {}
-    for name, p in model.named_parameters():
-        states = masters.full(p)
-        meta[name] = split_meta(p)
-        if is_writer:
-            for key, value in states.items():
-                tensors[tensor_key(name, key)] = host_copy(value.detach().float(), writer.buffers)
-    synchronize()
-    out = Path(step_dir) / "universal"
-    if is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        writer.submit(out / f"tp{tp_rank:02d}.safetensors", lambda path: save_file(tensors, str(path)))
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        record = {"tp": tp, "step": step, "optimizer": masters.name, "params": meta}
-        atomic_write_text(out / "meta.json", json.dumps(record, indent=1))
+    def write(path: Path, tensors: dict) -> None:
+        synchronize()  # the device-to-host copies are complete before the thread reads them
+        writer.submit(path, lambda dest: save_file(tensors, str(dest)))
+
+    universal.save(
+        engine,
+        model,
+        step_dir,
+        step,
+        to_host=lambda t: host_copy(t.detach().float(), writer.buffers),
+        write=write,
+    )

@@ -39,8 +39,17 @@ def split_meta(p) -> dict:
     }
 
 
-def save(engine, model, step_dir: Path, step: int) -> None:
-    """Collective: every rank calls it."""
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().cpu().contiguous()
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path))
+
+
+def save(engine, model, step_dir: Path, step: int, to_host=_to_host, write=_write) -> None:
+    """Collective: every rank calls it. ``to_host`` (a gathered tensor -> its fp32 host copy) and ``write``
+    (path, tensors) are where an asynchronous save stages and defers the file (``staging.py``)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # one per TP rank
     masters = layout_of(engine)
@@ -51,11 +60,11 @@ def save(engine, model, step_dir: Path, step: int) -> None:
         meta[name] = split_meta(p)
         if writer:
             for key, value in states.items():
-                tensors[tensor_key(name, key)] = value.detach().float().cpu().contiguous()
+                tensors[tensor_key(name, key)] = to_host(value)
     out = Path(step_dir) / "universal"
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / f"tp{tp_rank:02d}.safetensors"))
+        write(out / f"tp{tp_rank:02d}.safetensors", tensors)
     if dist.get_rank() == 0:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         record = {"tp": tp, "step": step, "optimizer": masters.name, "params": meta}
