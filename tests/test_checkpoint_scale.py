@@ -335,3 +335,29 @@ def test_a_stop_signal_with_async_saves_publishes_before_returning(world1, built
     assert trainer.checkpoints.pending is None
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001"
     verify(tmp_path / "checkpoints" / "step_00000001")
+
+
+def test_pinned_staging_buffers_are_reused_by_the_next_save_and_cpu_ones_freed(monkeypatch):
+    """On CUDA the staging buffers are pinned and kept for the next save once the write finished (README);
+    pinning itself needs CUDA, so here allocation is a stand-in that records the request."""
+    requested = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        requested.append(pin_memory)
+        return real_empty(*shape, **kw)
+
+    monkeypatch.setattr(staging.torch, "empty", empty)
+    pinned = staging.HostBuffers()
+    pinned.pin = True
+    first = [pinned.take(64), pinned.take(128)]
+    pinned.release()  # the write finished
+    again = [pinned.take(128), pinned.take(64)]
+    assert {b.data_ptr() for b in again} == {b.data_ptr() for b in first}  # reused, no new allocation
+    assert requested == [True, True]
+    cpu = staging.HostBuffers()
+    assert not cpu.pin
+    cpu.take(64)
+    cpu.release()
+    cpu.take(64)
+    assert requested == [True, True, False, False]  # nothing kept on CPU: a fresh buffer per save
