@@ -22,7 +22,7 @@ from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .control import StepControl, agree
 from .deadline import Deadline
-from .faults import fault_due, fault_hook
+from .faults import fault_due, fault_hook, kill_after
 from .memory import training_state_bytes
 from .parallelize import parallelize
 from .signals import StopSignals
@@ -497,6 +497,7 @@ class Trainer:
             if reason or interval or control.save_due:
                 self.save_checkpoint(final=bool(reason))  # a stop waits until its checkpoint is published
             window_start += time.perf_counter() - paused
+            kill_after(state.step)
             if reason:
                 state.stop_requested = reason
                 return
