@@ -4,7 +4,9 @@ Why: before a long run, check that the shards are complete and readable (a trunc
 bit flip shows up here, by shard name, not hours into training) and look at what was tokenized.
 `inspect_dataset` reads each shard once: every sample is decoded while the bytes are hashed, and
 size, sha256, document/token counts and id range are compared with the manifest.
-`verify_shards` only checks sizes and checksums (`goat_dist.atomic.file_problem`).
+`verify_shards` only checks sizes and checksums (`goat_dist.atomic.file_problem`). Both check each
+shard's index too (`<shard>.idx.npy`): its size and sha256, and `inspect` that it equals the index a
+header scan of the shard gives.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from data_tools.shard_format import (
     ShardError,
     iter_tar_documents,
     read_manifest,
+    scan_index,
 )
 from data_tools.tokenizer import load_tokenizer
 from goat_dist.atomic import file_problem
@@ -47,6 +50,10 @@ def verify_shards(dataset_dir: str | os.PathLike, manifest: dict | None = None) 
             problem = file_problem(dataset_dir / e["name"], e["bytes"], e["sha256"])
             if problem:
                 raise ShardError(f"{dataset_dir / MANIFEST_NAME}: shard {problem}")
+            index = e.get("index")
+            problem = index and file_problem(dataset_dir / index["name"], index["bytes"], index["sha256"])
+            if problem:
+                raise ShardError(f"{dataset_dir / MANIFEST_NAME}: shard index {problem}")
 
 
 def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) -> ShardReport:
@@ -80,7 +87,28 @@ def check_shard(path: Path, entry: dict, vocab_size: int, keep_docs: int = 0) ->
             f"read {len(report.lengths)} documents / {tokens} tokens (last sample {key!r}), manifest says "
             f"{entry.get('n_docs')} / {entry.get('n_tokens')}"
         )
+    report.problems += index_problems(path, entry)
     return report
+
+
+def index_problems(path: Path, entry: dict) -> list[str]:
+    """What is wrong with the shard's listed index: missing, not its size or sha256, or not what a header
+    scan of the shard gives. A shard listed without an index is fine (one is built when it is opened)."""
+    listed = entry.get("index")
+    if not listed:
+        return []
+    where = path.parent / listed["name"]
+    problem = file_problem(where, listed.get("bytes"), listed.get("sha256"))
+    if problem:
+        return [f"index {problem}"]
+    try:
+        index = np.load(where, allow_pickle=False)
+    except (OSError, ValueError) as exn:
+        return [f"index {listed['name']} is not an index file: {exn}"]
+    scanned, error = scan_index(path)
+    if error is None and not np.array_equal(index, scanned):
+        return [f"index {listed['name']} does not match the shard's members (rebuild with data prepare)"]
+    return []
 
 
 def histogram(lengths: list[int], width: int = 40) -> list[str]:
@@ -124,9 +152,11 @@ def inspect_dataset(
                 echo(f"  CORRUPT {e['name']}: " + "; ".join(report.problems))
         n_bytes = sum(e.get("bytes", 0) for e in entries)
         n_tokens = sum(e.get("n_tokens", 0) for e in entries)
+        unindexed = sum(1 for e in entries if not e.get("index"))
         echo(
             f"[{split}] {len(entries)} shards, {sum(e.get('n_docs', 0) for e in entries):,} documents, "
             f"{n_tokens:,} tokens, {n_bytes / 1e6:.1f} MB"
+            + (f"; {unindexed} without an index (built when first opened)" if unindexed else "")
         )
         if lengths:
             echo(

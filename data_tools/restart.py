@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from data_tools.shard_format import index_name
 from goat_dist.atomic import atomic_write_text, file_problem
 
 PROGRESS_NAME = ".prepare-progress.json"
@@ -46,11 +47,15 @@ class PrepareProgress:
             for entries in record.get("splits", {}).values():
                 for e in entries:
                     (out_dir / e["name"]).unlink(missing_ok=True)
+                    (out_dir / index_name(e["name"])).unlink(missing_ok=True)
             path.unlink()
             return fresh
         for split in split_names:
             for e in record.get("splits", {}).get(split, []):
                 problem = file_problem(out_dir / e["name"], e["bytes"], e["sha256"])
+                if not problem and "index" in e:
+                    index = e["index"]
+                    problem = file_problem(out_dir / index["name"], index["bytes"], index["sha256"])
                 if problem:
                     log.warning("%s: %s; redoing it and what follows", out_dir / PROGRESS_NAME, problem)
                     break

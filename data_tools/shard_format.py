@@ -10,11 +10,18 @@ Format:
   * shards `<prefix>-000000.tar`, `<prefix>-000001.tar`, ... next to `manifest.json` and the
     tokenizer (`tokenizer.json`);
   * `manifest.json`: {"format", "vocab_size", "dtype", "tokenizer", "tokenizer_sha256", "eos_id",
-    "splits": {split: [{"name", "n_docs", "n_tokens", "bytes", "sha256"}, ...]}, ...extra keys}.
+    "splits": {split: [{"name", "n_docs", "n_tokens", "bytes", "sha256", "index"}, ...]}, ...extra keys};
+  * beside each shard its index `<shard>.idx.npy` (entry "index": {"name", "bytes", "sha256"}): an int64
+    `.npy` array of shape (n_docs + 1, 2). Row i < n_docs is (byte offset of document i's token ids in
+    the tar, its first token within the shard); the last row is (the shard's size in bytes, its token
+    count). Uncompressed tar members are contiguous bytes, so any token range is one `pread` per
+    document it touches, found by binary search: nothing is decoded to seek. Shards written before the
+    index existed (no "index" key) get one built by a header scan on first open (`scan_index`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tarfile
@@ -32,6 +39,9 @@ TOKENIZER_NAME = "tokenizer.json"
 # tar member suffix -> little-endian numpy dtype of the stored ids
 FIELDS = {"ids.u16": np.dtype("<u2"), "ids.u32": np.dtype("<u4")}
 DTYPE_NAMES = {"ids.u16": "uint16", "ids.u32": "uint32"}
+
+
+INDEX_SUFFIX = ".idx.npy"
 
 
 class ShardError(RuntimeError):
@@ -131,6 +141,78 @@ def iter_tar_documents(stream: IO[bytes], shard: str) -> Iterator[tuple[str, np.
             detail = exn.args[0] if exn.args else repr(exn)
             raise ShardError(f"corrupt or truncated shard {shard} ({at}): {detail}") from exn
         yield sample["__key__"], decode_ids(sample, shard)
+
+
+# ---------------------------------------------------------------- the shard index
+
+
+def index_name(shard: str) -> str:
+    """File name of a shard's index, next to it."""
+    return shard + INDEX_SUFFIX
+
+
+def make_index(data_offsets, doc_tokens, shard_bytes: int) -> np.ndarray:
+    """The index array (see the module docstring) of documents at `data_offsets` of `doc_tokens` ids."""
+    n = len(doc_tokens)
+    index = np.zeros((n + 1, 2), dtype=np.int64)
+    index[:n, 0] = data_offsets
+    index[1:, 1] = np.cumsum(np.asarray(doc_tokens, dtype=np.int64))
+    index[n, 0] = shard_bytes
+    return index
+
+
+def index_bytes(index: np.ndarray) -> bytes:
+    """The `.npy` bytes of an index, as written next to a shard."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(index, dtype="<i8"), allow_pickle=False)
+    return buf.getvalue()
+
+
+def scan_index(path: str | os.PathLike) -> tuple[np.ndarray, ShardError | None]:
+    """Build a shard's index by reading only its tar headers (one 512-byte block per document; the data
+    is seeked over, not read).
+
+    Returns (index, None), or for a shard that ends early or holds something other than token arrays,
+    the index of the documents before the damage and a ShardError naming the shard and the sample."""
+    path = os.fspath(path)
+    offsets, counts = [], []
+    key = None
+    size = os.path.getsize(path)
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for member in tar:
+                if not member.isreg():
+                    continue
+                key, _, suffix = member.name.rsplit("/", 1)[-1].partition(".")
+                dtype = FIELDS.get(suffix)
+                if dtype is None or member.size == 0 or member.size % dtype.itemsize:
+                    raise ValueError(f"member {member.name!r} is not a token array")
+                if member.offset_data + member.size > size:
+                    raise ValueError("its data goes past the end of the file")
+                offsets.append(member.offset_data)
+                counts.append(member.size // dtype.itemsize)
+    except (ValueError, tarfile.TarError, EOFError) as exn:
+        at = "before the first sample" if key is None else f"at or after sample {key!r}"
+        error = ShardError(f"corrupt or truncated shard {path} ({at}): {exn}")
+        return make_index(offsets, counts, size), error
+    return make_index(offsets, counts, size), None
+
+
+def check_index(index: np.ndarray, where: str, shard_bytes: int | None, n_tokens: int | None) -> np.ndarray:
+    """`index` if it is a well-formed index of a shard of that size and token count, else ShardError."""
+    if index.dtype != np.int64 or index.ndim != 2 or index.shape[1] != 2 or index.shape[0] < 1:
+        raise ShardError(
+            f"shard index {where}: not an int64 (n_docs + 1, 2) array: {index.dtype} {index.shape}"
+        )
+    size, tokens = (int(x) for x in index[-1])
+    if shard_bytes is not None and size != shard_bytes:
+        raise ShardError(f"shard index {where} is for a {size}-byte shard; the shard has {shard_bytes} bytes")
+    if n_tokens is not None and tokens != n_tokens:
+        raise ShardError(f"shard index {where} counts {tokens} tokens; the manifest lists {n_tokens}")
+    starts, offsets = index[:, 1], index[:-1, 0]
+    if starts[0] != 0 or np.any(np.diff(starts) <= 0) or np.any(offsets < 512) or np.any(offsets >= size):
+        raise ShardError(f"shard index {where}: its rows are not documents of a {size}-byte shard")
+    return index
 
 
 # ---------------------------------------------------------------- the manifest

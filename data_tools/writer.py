@@ -1,7 +1,9 @@
 """ShardWriter: documents -> size-capped tar shards of the format in `shard_format`.
 
-Why: tar shards stream sequentially from local disks, NFS or object stores, are easy to produce
-in parallel (one writer per shard) and need no index. Each shard is written under a temporary
+Why: tar shards stream sequentially from local disks, NFS or object stores and are easy to produce
+in parallel (one writer per shard). Beside each shard goes its index (`<shard>.idx.npy`, see
+`shard_format`): where each document's token ids start, so a rank reads exactly the windows it trains
+on. Each shard is written under a temporary
 name and renamed into place only when complete, and is byte-for-byte reproducible (fixed mtime,
 owner and mode), so its sha256 in the manifest is stable. Written with the stdlib `tarfile`
 (webdataset's TarWriter would import torch); the bytes are the same as webdataset writes.
@@ -9,6 +11,7 @@ owner and mode), so its sha256 in the manifest is stable. Written with the stdli
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tarfile
@@ -17,8 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.digest import HashingFile
-from data_tools.shard_format import FIELDS, check_key, ids_field, shard_name
-from goat_dist.atomic import commit_file, temp_path_for
+from data_tools.shard_format import (
+    FIELDS,
+    check_key,
+    ids_field,
+    index_bytes,
+    index_name,
+    make_index,
+    shard_name,
+)
+from goat_dist.atomic import atomic_write_bytes, commit_file, temp_path_for
 
 _TAR_BLOCK = 512
 
@@ -91,6 +102,8 @@ class ShardWriter:
         info = tarfile.TarInfo(f"{key}.{self.field}")
         info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o444, "goat", "goat"
         self._tar.addfile(info, io.BytesIO(data))
+        self._offsets.append(self._size + _TAR_BLOCK)  # one USTAR header block, then the data
+        self._counts.append(arr.size)
         self._keys.add(key)
         self._n_docs += 1
         self._n_tokens += arr.size
@@ -106,12 +119,18 @@ class ShardWriter:
         self._hashing = HashingFile(self._file)
         self._tar = tarfile.open(fileobj=self._hashing, mode="w|", format=tarfile.USTAR_FORMAT)
         self._n_docs = self._n_tokens = self._size = 0
+        self._offsets: list[int] = []
+        self._counts: list[int] = []
 
     def _finish(self) -> None:
         self._tar.close()
         self._file.close()
         self._file = None
         commit_file(self._tmp, self.out_dir / self._name)
+        index = index_bytes(make_index(self._offsets, self._counts, self._hashing.nbytes))
+        atomic_write_bytes(self.out_dir / index_name(self._name), index)
+        index_entry = {"name": index_name(self._name), "bytes": len(index)}
+        index_entry["sha256"] = hashlib.sha256(index).hexdigest()
         self.shards.append(
             {
                 "name": self._name,
@@ -119,6 +138,11 @@ class ShardWriter:
                 "n_tokens": self._n_tokens,
                 "bytes": self._hashing.nbytes,
                 "sha256": self._hashing.sha256,
+                "index": {
+                    "name": index_name(self._name),
+                    "bytes": len(index),
+                    "sha256": hashlib.sha256(index).hexdigest(),
+                },
             }
         )
 

@@ -124,7 +124,7 @@ def test_resume_is_exact_per_rank_for_any_worker_count(data_a, data_b):
 
 
 def test_resume_deep_in_the_stream_is_exact_and_opens_only_needed_shards(data_a, monkeypatch):
-    from goat_dist.data import shards
+    from goat_dist.data import shard_index
 
     n_windows = PackedBatches(resolve_sources([data_a], "train"), 16, 4).windows_per_epoch[0]
     steps = n_windows // 4 + 30  # crosses into epoch 1
@@ -133,8 +133,13 @@ def test_resume_deep_in_the_stream_is_exact_and_opens_only_needed_shards(data_a,
     assert same(batches(loader([data_a], start_sample=4 * k), 20), full[k:])
 
     opened = []
-    real_open = shards.open_shard
-    monkeypatch.setattr(shards, "open_shard", lambda path: opened.append(path) or real_open(path))
+    real_init = shard_index.ShardFile.__init__
+
+    def counting_init(self, location, *args):
+        opened.append(location)
+        real_init(self, location, *args)
+
+    monkeypatch.setattr(shard_index.ShardFile, "__init__", counting_init)
     t0 = time.perf_counter()
     batches(loader([data_a], start_sample=4 * 10**8), 1)  # ~200k epochs ahead
     assert time.perf_counter() - t0 < 2.0
@@ -208,9 +213,9 @@ def test_val_loader_is_fixed_and_infinite(data_a):
     assert len(batches(val, 200)) == 200  # cycles
 
 
-def test_url_sources_read_through_gopen(data_a):
+def test_url_sources_read_through_gopen(data_a, tmp_path):
     url = f"pipe:cat {data_a}/{{}}"
-    assert same(batches(loader([url]), 4), batches(loader([data_a]), 4))
+    assert same(batches(loader([url], cache_dir=tmp_path), 4), batches(loader([data_a]), 4))
 
 
 def test_bad_arguments(data_a, tmp_path):

@@ -29,15 +29,22 @@ required). The rank then yields its samples of the global stream from S on: with
 dp_size that is exactly the rest of the uninterrupted run, for any num_workers. With another
 dp_size the global stream from S on is split anew (sample n >= S to rank n % dp_size): the
 union over ranks is still exactly the samples S, S+1, ... of the same stream, so within an
-epoch no sample is repeated or skipped. Skipping to S costs O(1) arithmetic plus reading the
-current block's shards from their start; shards wholly before it are not opened. What must stay
+epoch no sample is repeated or skipped. Skipping to S costs O(1) arithmetic: nothing before it is
+read. What must stay
 the same for this: the sources (order, weights, contents), seed, seq_len, shuffle_buffer and
 document_masking; micro_batch_size, num_workers and (as above) dp_size may change. The trainer
 stores only S (all ranks' consumed samples) and passes it back as `start_sample`.
 
-Bad data (`on_error`): "raise" stops with a ShardError naming the shard and the sample key.
-"skip" logs the shard once per worker (logger `goat_dist.data`) and treats the rest of that shard
-as unreadable: its tokens become EOS with label -100 on every position whose input or target is
+Reads: a rank (and each of its workers) reads only the windows of its own samples, by offset, through
+each shard's index (`shard_index`): (L + 1) tokens per sample plus one index read per shard it opens,
+whatever dp is. Sample n -> (source, epoch, window) is arithmetic (`schedule`), window -> (shard,
+byte offset) a binary search. Tensor- and context-parallel peers read the same windows (a window is a
+few KB, served by the page cache of their node), so no broadcast is needed.
+
+Bad data (`on_error`): "raise" stops with a ShardError naming the shard (and the sample key where
+known) at the first read of a damaged shard. "skip" logs the shard once per worker (logger
+`goat_dist.data`) and treats its unreadable part (the documents past where it was cut, or all of it)
+as missing: those tokens become EOS with label -100 on every position whose input or target is
 unreadable, so all other samples keep their place (deterministic, resumable). Every batch carries
 `skipped`, a 0-d int64 tensor: how many of its samples contain unreadable tokens (0 normally).
 The loss must ignore label -100 (megatron's vocab_parallel_cross_entropy does not by itself).
@@ -60,39 +67,35 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from goat_dist.data.reader import EpochReader, Span
 from goat_dist.data.schedule import Mixture, SourceSchedule
+from goat_dist.data.shard_index import ShardFiles
 from goat_dist.data.sources import SourceSplit, resolve_sources
 
 ON_ERROR = ("raise", "skip")
+DEFAULT_CACHE_DIR = "~/.cache/goat-dist"  # data.cache_dir's default
 IGNORE_INDEX = -100
 
 
-class _SourceBlocks:
-    """The block of one source's stream a worker is currently cutting windows from."""
+class _SourceWindows:
+    """Reads the windows of one source's stream; the epoch's reader is kept until the epoch changes."""
 
-    def __init__(self, split: SourceSplit, schedule: SourceSchedule, on_error: str, warned: set):
+    def __init__(
+        self, split: SourceSplit, schedule: SourceSchedule, on_error: str, warned: set, files: ShardFiles
+    ):
         self.split, self.schedule, self.on_error, self.warned = split, schedule, on_error, warned
+        self.files = files
         self.epoch = -1
-        self.key: tuple[int, int] | None = None
         self.reader: EpochReader | None = None
-        self._span: Span | None = None
 
-    def span(self, epoch: int, block: int) -> Span:
-        if self.key != (epoch, block):
-            if epoch != self.epoch:
-                if self.reader is not None:
-                    self.reader.close()
-                order = self.schedule.shard_order(epoch)
-                self.reader = EpochReader(self.split, order, self.on_error, self.split.eos_id, self.warned)
-                self.epoch = epoch
-            first, count = self.schedule.block_span(block)
-            seq_len = self.schedule.seq_len
-            self._span = self.reader.read(first * seq_len, (first + count) * seq_len + 1)
-            self.key = (epoch, block)
-        return self._span
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
+    def window(self, epoch: int, w: int) -> Span:
+        """Tokens [w * L, w * L + L + 1) of epoch `epoch`."""
+        if epoch != self.epoch:
+            order = self.schedule.shard_order(epoch)
+            self.reader = EpochReader(
+                self.split, order, self.on_error, self.split.eos_id, self.warned, self.files
+            )
+            self.epoch = epoch
+        L = self.schedule.seq_len
+        return self.reader.read(w * L, w * L + L + 1)
 
 
 class PackedBatches(IterableDataset):
@@ -115,6 +118,7 @@ class PackedBatches(IterableDataset):
         shuffle_buffer: int = 1024,
         on_error: str = "raise",
         shuffle: bool = True,
+        cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
     ):
         super().__init__()
         if seq_len < 1 or micro_batch_size < 1:
@@ -132,6 +136,7 @@ class PackedBatches(IterableDataset):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.start_sample = seed, start_sample
         self.document_masking, self.on_error = document_masking, on_error
+        self.cache_dir = cache_dir  # indexes of shards without one, and copies of remote shards
         self.schedules = [
             SourceSchedule(s.n_tokens, seq_len, seed, i, shuffle_buffer, shuffle)
             for i, s in enumerate(self.sources)
@@ -159,20 +164,20 @@ class PackedBatches(IterableDataset):
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         mixture = Mixture([s.weight for s in self.sources], self.seed)
         warned: set = set()
-        blocks = [
-            _SourceBlocks(src, sched, self.on_error, warned)
+        files = ShardFiles(self.cache_dir)  # this process's open shards: workers never share descriptors
+        windows = [
+            _SourceWindows(src, sched, self.on_error, warned, files)
             for src, sched in zip(self.sources, self.schedules)
         ]
         try:
             k = worker
             while True:
-                yield self._batch(k, mixture, blocks)
+                yield self._batch(k, mixture, windows)
                 k += n_workers
         finally:
-            for b in blocks:
-                b.close()
+            files.close()
 
-    def _batch(self, k: int, mixture: Mixture, blocks: list[_SourceBlocks]) -> dict[str, torch.Tensor]:
+    def _batch(self, k: int, mixture: Mixture, windows: list[_SourceWindows]) -> dict[str, torch.Tensor]:
         L, B = self.seq_len, self.micro_batch_size
         # One storage for the whole batch: a DataLoader worker then ships one shared-memory
         # segment per batch instead of one per tensor.
@@ -182,18 +187,16 @@ class PackedBatches(IterableDataset):
         holes = []
         for t, n in enumerate(self.global_samples(k)):
             s, j = mixture.locate(n)
-            epoch, block, w = self.schedules[s].locate(j)
-            span = blocks[s].span(epoch, block)
-            a = w * L - span.start
-            window = span.tokens[a : a + L + 1]
-            tokens[t] = window[:-1]
-            labels[t] = window[1:]
+            epoch, _, w = self.schedules[s].locate(j)
+            span = windows[s].window(epoch, w)
+            tokens[t] = span.tokens[:-1]
+            labels[t] = span.tokens[1:]
             if self.document_masking:
                 offsets = np.arange(w * L, w * L + L)
                 idx = np.searchsorted(span.doc_starts, offsets, side="right") - 1
                 positions[t] = offsets - span.doc_starts[idx]
-            if span.missing is not None and span.missing[a : a + L + 1].any():
-                m = span.missing[a : a + L + 1]
+            if span.missing is not None and span.missing.any():
+                m = span.missing
                 labels[t, m[:-1] | m[1:]] = IGNORE_INDEX
                 holes.append(t)
         if not self.document_masking:
@@ -273,6 +276,7 @@ def build_train_loader(
     on_error: str = "raise",
     split: str = "train",
     pin_memory: bool = False,
+    cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
 ) -> DataLoader:
     """DataLoader of this rank's training micro-batches, resumed at global sample `start_sample`.
 
@@ -289,6 +293,7 @@ def build_train_loader(
         document_masking=document_masking,
         shuffle_buffer=shuffle_buffer,
         on_error=on_error,
+        cache_dir=cache_dir,
     )
     return _loader(dataset, num_workers, pin_memory)
 
@@ -304,6 +309,7 @@ def build_val_loader(
     on_error: str = "raise",
     split: str = "val",
     pin_memory: bool = False,
+    cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
 ) -> DataLoader:
     """DataLoader of this rank's validation micro-batches: fixed order, infinite (see module doc)."""
     dataset = PackedBatches(
@@ -316,5 +322,6 @@ def build_val_loader(
         document_masking=document_masking,
         on_error=on_error,
         shuffle=False,
+        cache_dir=cache_dir,
     )
     return _loader(dataset, num_workers, pin_memory)

@@ -32,6 +32,7 @@ class SourceSplit:
     vocab_size: int
     eos_id: int
     tokenizer_sha256: str | None
+    entries: tuple[dict, ...] = ()  # the manifest's shard entries (size, sha256, index), by shard
 
     @property
     def total_tokens(self) -> int:
@@ -103,6 +104,7 @@ def resolve_split(source: dict, split: str) -> SourceSplit:
         vocab_size=manifest["vocab_size"],
         eos_id=int(manifest.get("eos_id", 0)),
         tokenizer_sha256=manifest.get("tokenizer_sha256"),
+        entries=tuple(entries),
     )
 
 

@@ -83,6 +83,7 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
         document_masking=d.document_masking,
         shuffle_buffer=d.shuffle_buffer,
         on_error=d.on_error,
+        cache_dir=d.cache_dir,
     )
 
 
@@ -109,4 +110,5 @@ def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
         num_workers=0,
         document_masking=d.document_masking,
         on_error=d.on_error,
+        cache_dir=d.cache_dir,
     )

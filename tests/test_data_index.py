@@ -1,0 +1,216 @@
+"""Random access into shards: the writer's index, the index built for older shards, per-rank bytes read,
+remote shards staged once, and `data inspect` checking the index.
+
+Bytes read are the process's own read syscalls (`rchar` in /proc/<pid>/io), so they count what the loader
+asked the file system for (page cache or not), including index files and the manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from data_tools.inspection import inspect_dataset
+from data_tools.shard_format import index_name, read_manifest, scan_index, write_manifest
+from data_tools.writer import ShardWriter
+from goat_dist.data import shard_index
+from goat_dist.data.loader import build_train_loader
+
+VOCAB = 60_000
+
+
+def make_dataset(root: Path, n_docs: int, shard_mb: float, seed: int = 0, max_len: int = 3000) -> Path:
+    """Documents of random lengths holding consecutive ids (mod VOCAB); 4 val documents."""
+    rng = np.random.default_rng(seed)
+    splits, pos = {}, 0
+    for split, count in (("train", n_docs), ("val", 4)):
+        with ShardWriter(root, split, shard_mb, vocab_size=VOCAB) as w:
+            for d in range(count):
+                n = int(rng.integers(1, max_len))
+                w.write(f"doc-{d:06d}", np.arange(pos, pos + n) % VOCAB)
+                pos += n
+        splits[split] = w.shards
+    write_manifest(
+        root, {"vocab_size": VOCAB, "dtype": "uint16", "tokenizer_sha256": "0" * 64, "splits": splits}
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """~3 MB of tokens in 1 MB shards."""
+    return make_dataset(tmp_path_factory.mktemp("big"), 1000, 1.0, seed=3)
+
+
+def batches(loader, n: int) -> list[dict]:
+    it = iter(loader)
+    out = [next(it) for _ in range(n)]
+    del it
+    return out
+
+
+def same(xs, ys) -> bool:
+    keys = ("tokens", "labels", "position_ids")
+    return len(xs) == len(ys) and all(torch.equal(x[k], y[k]) for x, y in zip(xs, ys) for k in keys)
+
+
+def loader(sources, dp_rank=0, dp_size=1, **kw):
+    kw = {"seq_len": 64, "micro_batch_size": 4, "seed": 5, "shuffle_buffer": 64, **kw}
+    return build_train_loader(sources, dp_rank=dp_rank, dp_size=dp_size, **kw)
+
+
+def legacy_copy(src: Path, dst: Path) -> Path:
+    """The data set as written before shard indexes existed: no sidecars, no "index" in the manifest."""
+    shutil.copytree(src, dst)
+    manifest = read_manifest(dst)
+    for entries in manifest["splits"].values():
+        for e in entries:
+            (dst / e.pop("index")["name"]).unlink()
+    write_manifest(dst, manifest)
+    return dst
+
+
+def test_the_writers_index_is_what_a_header_scan_finds(big):
+    manifest = read_manifest(big)
+    for e in manifest["splits"]["train"]:
+        listed = np.load(big / index_name(e["name"]), allow_pickle=False)
+        scanned, error = scan_index(big / e["name"])
+        assert error is None and np.array_equal(listed, scanned)
+        assert listed[-1].tolist() == [e["bytes"], e["n_tokens"]] and len(listed) == e["n_docs"] + 1
+        with open(big / e["name"], "rb") as f:  # row 0: the first document's ids, exactly
+            f.seek(int(listed[0, 0]))
+            first = np.frombuffer(f.read(int(listed[1, 1]) * 2), dtype="<u2")
+        assert np.array_equal(np.diff(first.astype(np.int64)) % VOCAB, np.ones(first.size - 1))
+
+
+def test_indexed_windows_equal_a_sequential_decode_of_the_shards(big):
+    """The reference: the epoch's shards decoded front to back as tar streams, concatenated in the
+    epoch's shard order; sample n (no window shuffle) is window n of that stream."""
+    from goat_dist.data.schedule import SourceSchedule
+    from goat_dist.data.shards import iter_documents
+
+    L = 64
+    train = read_manifest(big)["splits"]["train"]
+    order = SourceSchedule([e["n_tokens"] for e in train], L, 5, 0, 0).shard_order(0)
+    stream = np.concatenate([ids for i in order for _, ids in iter_documents(big / train[i]["name"])])
+    got = batches(loader([big], shuffle_buffer=0), 40)
+    rows = torch.cat([b["tokens"] for b in got]).numpy()
+    labels = torch.cat([b["labels"] for b in got]).numpy()
+    for w, (row, lab) in enumerate(zip(rows, labels)):
+        assert np.array_equal(row, stream[w * L : w * L + L]) and np.array_equal(
+            lab, stream[w * L + 1 : w * L + L + 1]
+        )
+
+
+def test_shards_without_an_index_get_one_scanned_once_and_cached(big, tmp_path, monkeypatch):
+    old = legacy_copy(big, tmp_path / "old")
+    cache = tmp_path / "cache"
+    expected = batches(loader([big], cache_dir=cache), 30)
+    scans = []
+    real_scan = shard_index.scan_index
+    monkeypatch.setattr(shard_index, "scan_index", lambda p: scans.append(p) or real_scan(p))
+    assert same(batches(loader([old], cache_dir=cache), 30), expected)  # the same stream, bitwise
+    first = len(scans)
+    assert first >= 1 and len(list((cache / "shard-index").glob("*.idx.npy"))) == first
+    assert same(batches(loader([old], cache_dir=cache), 30), expected)
+    assert len(scans) == first  # read from the cache, not scanned again
+    shard = old / read_manifest(old)["splits"]["train"][0]["name"]
+    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))  # a replaced shard is scanned anew
+    batches(loader([old], cache_dir=cache, shuffle_buffer=0, seed=0), 5)
+    assert str(shard) in [str(p) for p in scans[first:]]
+
+
+def _rchar(pids) -> int:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/io") as f:
+            total += int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    return total
+
+
+@pytest.mark.parametrize("dp,workers", [(8, 0), (64, 0), (8, 2)])
+def test_one_rank_reads_only_its_own_samples(big, tmp_path, dp, workers):
+    """Rank 3 of dp reads <= 1.25x the bytes of the tokens it delivers, plus one index read per shard it
+    opened. With workers, the workers' reads are counted (they read the shards; the main process only
+    receives batches through pipes)."""
+    L, B = 64, 4
+    n = 200 if dp == 8 else 60
+    train = read_manifest(big)["splits"]["train"]
+    index_bytes = max(e["index"]["bytes"] for e in train)
+    dl = loader([big], dp_rank=3, dp_size=dp, seq_len=L, micro_batch_size=B, num_workers=workers)
+    it = iter(dl)
+    next(it)  # workers started, first shards opened
+    pids = [c.pid for c in psutil.Process().children()] if workers else [os.getpid()]
+    assert len(pids) == max(workers, 1)
+    before = _rchar(pids)
+    for _ in range(n):
+        next(it)
+    read = _rchar(pids) - before
+    del it
+    delivered = n * B * L * 2  # uint16 ids
+    shards = len(train)
+    assert read <= 1.25 * delivered + shards * (index_bytes + 4096) * max(workers, 1), (read, delivered)
+    assert read >= delivered  # the counter saw the reads
+
+
+def test_resume_far_into_a_long_stream_starts_in_under_a_second(big):
+    t0 = time.perf_counter()
+    batches(loader([big], dp_rank=1, dp_size=8, start_sample=8 * 10**6), 1)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_remote_shards_are_staged_once_and_read_by_offset(big, tmp_path):
+    cache = tmp_path / "cache"
+    url = f"pipe:cat {big}/{{}}"
+    expected = batches(loader([big], cache_dir=cache), 20)
+    assert same(batches(loader([url], cache_dir=cache), 20), expected)
+    staged = sorted((cache / "remote").rglob("train-*.tar"))
+    assert staged and all(p.stat().st_size == (big / p.name).stat().st_size for p in staged)
+    stamps = [p.stat().st_mtime_ns for p in staged]
+    assert same(batches(loader([url], cache_dir=cache), 20), expected)
+    assert [p.stat().st_mtime_ns for p in staged] == stamps  # not copied again
+
+
+def test_a_remote_shard_that_does_not_match_the_manifest_is_named(big, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(big, bad)
+    name = read_manifest(bad)["splits"]["train"][0]["name"]
+    data = bytearray((bad / name).read_bytes())
+    data[5000] ^= 0xFF
+    (bad / name).write_bytes(bytes(data))
+    with pytest.raises(Exception, match=f"{name}.*sha256"):
+        batches(loader([f"pipe:cat {bad}/{{}}"], cache_dir=tmp_path / "cache", shuffle_buffer=0, seed=0), 200)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(big, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(big, bad)
+    manifest = read_manifest(bad)
+    manifest["vocab_size"] = 1000  # every id >= 1000 is now out of range (uint16 kept)
+    manifest["dtype"] = "uint16"
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="vocab_size 1000"):
+        batches(loader([bad], cache_dir=tmp_path / "cache"), 20)
+
+
+def test_inspect_checks_the_index(big, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(big, copy)
+    assert inspect_dataset(copy) == []
+    train = read_manifest(copy)["splits"]["train"]
+    index_path = copy / train[1]["index"]["name"]
+    index = np.load(index_path, allow_pickle=False)
+    index[3, 0] += 512  # the right size, the wrong offsets
+    np.save(index_path, index, allow_pickle=False)
+    assert inspect_dataset(copy) == [train[1]["name"]]
+    assert "index" in capsys.readouterr().out
+    legacy = legacy_copy(big, tmp_path / "legacy")
+    assert inspect_dataset(legacy) == []
+    assert "without an index" in capsys.readouterr().out
