@@ -24,7 +24,7 @@ from data_tools.corpus import stdlib_documents
 from data_tools.prepare import val_chooser, write_shards
 from data_tools.restart import PrepareProgress
 from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME, new_manifest, read_manifest, write_manifest
-from data_tools.tokenizer import eos_id, train_bpe
+from data_tools.tokenizer import EOS_TOKEN, eos_id, train_bpe
 from goat_dist.atomic import fsync_dir, sha256_file
 
 SHARD_SIZE_MB = 1  # small shards so the per-epoch shard shuffle means something on an ~8 MB corpus
@@ -69,6 +69,7 @@ def _build(out: Path, vocab_size: int, max_bytes: int, val_fraction: float, log:
     is_val = val_chooser({"docs": val_count(len(docs), val_fraction)}, lambda: docs)
     tok = train_bpe((d for i, d in enumerate(docs) if not is_val(i, d)), vocab_size, out / TOKENIZER_NAME)
     t_tok = time.perf_counter()
+    eos = eos_id(tok, EOS_TOKEN)  # the token train_bpe builds in
 
     progress = PrepareProgress.load(out, "builtin", ["train", "val"])
     written = write_shards(
@@ -78,6 +79,7 @@ def _build(out: Path, vocab_size: int, max_bytes: int, val_fraction: float, log:
         out,
         progress,
         vocab_size=vocab_size,
+        eos=eos,
         prefixes={"train": "train", "val": "val"},
         shard_size_mb=SHARD_SIZE_MB,
         workers=0,  # in this process: it may be a training process, which should not fork
@@ -95,8 +97,9 @@ def _build(out: Path, vocab_size: int, max_bytes: int, val_fraction: float, log:
     manifest = new_manifest(
         vocab_size,
         tokenizer_sha,
-        eos_id(tok),
+        eos,
         written.entries,
+        eos_token=EOS_TOKEN,
         tokenizer_vocab_size=tok.get_vocab_size(),
         source=source,
     )

@@ -32,7 +32,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         tok = train_bpe(texts, args.vocab_size, args.out)
     except InputError as exn:
         return _error(args, "tokenizer train", exn, 1)
-    except (ValueError, FileNotFoundError) as exn:
+    except (ValueError, OSError) as exn:  # OSError: --out's directory can't be made or written
         return _error(args, "tokenizer train", exn, 2)
     print(f"[data] tokenizer with {tok.get_vocab_size():,} tokens from {len(files)} file(s) -> {args.out}")
     return 0
@@ -47,6 +47,8 @@ def _command_line(args: argparse.Namespace) -> str:
     else:
         parts += ["--val-fraction", str(args.val_fraction)]
     parts += ["--prefix", args.prefix, "--val-prefix", args.val_prefix]
+    if args.eos_token is not None:
+        parts += ["--eos-token", args.eos_token]
     return shlex.join(parts)
 
 
@@ -65,6 +67,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             val_docs=args.val_docs,
             prefix=args.prefix,
             val_prefix=args.val_prefix,
+            eos_token=args.eos_token,
             command=_command_line(args),
             show_progress=not args.no_progress,
         )
@@ -91,7 +94,7 @@ def _add_tokenizer(sub) -> None:
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer on text/JSONL/Parquet inputs")
     t.add_argument("--input", nargs="+", required=True, help="files, directories or globs")
     t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--out", required=True, help="tokenizer.json to write")
+    t.add_argument("--out", required=True, help="tokenizer.json to write (its directory is created)")
     t.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
     t.set_defaults(func=cmd_tokenizer_train)
 
@@ -109,6 +112,13 @@ def _add_prepare(sub) -> None:
     val.add_argument("--val-docs", type=int, default=None, help="exactly this many val documents")
     p.add_argument("--prefix", default="train", help="train shard name prefix (default: train)")
     p.add_argument("--val-prefix", default="val", help="val shard name prefix (default: val)")
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TOKEN",
+        help="token appended to every document (default: the tokenizer's own end-of-text token, e.g. "
+        "<|endoftext|>, <|end_of_text|> or </s>)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prepare)
 

@@ -40,7 +40,7 @@ def _init_worker(tokenizer_json: str, dtype: str, eos: int, single_thread: bool 
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     tok = Tokenizer.from_str(tokenizer_json)
-    tok.encode_special_tokens = True  # a literal "<|endoftext|>" in the text is text, not EOS
+    tok.encode_special_tokens = True  # a literal "<|endoftext|>" or "</s>" in the text is text, not EOS
     _worker.update(tok=tok, dtype=np.dtype(dtype), eos=eos)
 
 

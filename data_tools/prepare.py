@@ -2,7 +2,8 @@
 
 Why: the trainer reads `goat-dist-shards/1` data sets; this turns a corpus into one. Documents are
 read in a fixed order, tokenized in chunks (see `encode`) and written in that order, so the
-shards are byte-identical for any `workers`. Each document gets EOS appended and goes to the val
+shards are byte-identical for any `workers`. Each document gets EOS appended (the token the tokenizer
+file declares, or `eos_token`; recorded in the manifest as "eos_token" and "eos_id") and goes to the val
 split when the hash of its text falls below `val_fraction` (duplicates share a split), or, with
 `val_docs`, when it is among the N documents with the smallest hashes (an extra reading pass).
 Restart: see `restart`. The manifest is written atomically, last.
@@ -37,7 +38,7 @@ from data_tools.shard_format import (
     read_manifest,
     write_manifest,
 )
-from data_tools.tokenizer import eos_id, load_tokenizer
+from data_tools.tokenizer import EOS_TOKEN, choose_eos, load_tokenizer
 from data_tools.writer import ShardWriter
 from goat_dist.atomic import atomic_write_bytes, sha256_file
 
@@ -148,19 +149,20 @@ def write_shards(
     progress: PrepareProgress,
     *,
     vocab_size: int,
+    eos: int,
     prefixes: dict[str, str],
     shard_size_mb: float,
     workers: int,
     show_progress: bool = False,
     total_bytes: int | None = None,
 ) -> Written:
-    """Tokenize (text, input bytes) `documents` into train/val shards under `out`, after the shards
-    `progress` already holds; every finished shard is recorded in `progress`."""
+    """Tokenize (text, input bytes) `documents` into train/val shards under `out`, each ended by token
+    `eos`, after the shards `progress` already holds; every finished shard is recorded in `progress`."""
     done = {s: progress.done_docs(s) for s in prefixes}
     stats = {"docs": 0, "bytes": 0}
     sink = _ShardSink(out, prefixes, progress, shard_size_mb, vocab_size)
     # the pool forks before tqdm starts its monitor thread
-    pool = encoder_pool(workers, tok.to_str(), FIELDS[ids_field(vocab_size)], eos_id(tok))
+    pool = encoder_pool(workers, tok.to_str(), FIELDS[ids_field(vocab_size)], eos)
     try:
         from tqdm import tqdm
 
@@ -187,10 +189,14 @@ def write_shards(
 # ---------------------------------------------------------------- the command
 
 
-def _settings(files, tokenizer_sha, text_field, shard_size_mb, val, prefix, val_prefix) -> dict:
-    """Everything that determines the output bytes (not `workers`), for the restart fingerprint."""
+def _settings(files, tokenizer_sha, eos_token, text_field, shard_size_mb, val, prefix, val_prefix) -> dict:
+    """Everything that determines the output bytes (not `workers`), for the restart fingerprint. The EOS
+    token only counts when it is not EOS_TOKEN, the one every earlier data set used, so their
+    fingerprints still match."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    eos = {} if eos_token == EOS_TOKEN else {"eos_token": eos_token}
     return {
+        **eos,
         "inputs": stats,
         "tokenizer_sha256": tokenizer_sha,
         "text_field": text_field,
@@ -256,11 +262,13 @@ def prepare(
     val_docs: int | None = None,
     prefix: str = "train",
     val_prefix: str = "val",
+    eos_token: str | None = None,
     command: str | None = None,
     show_progress: bool = True,
     echo: Callable[[str], object] = print,
 ) -> dict:
-    """Tokenize `inputs` into shards under `out_dir` (see the module docstring).
+    """Tokenize `inputs` into shards under `out_dir` (see the module docstring). `eos_token` ends every
+    document; None: the tokenizer file's own end-of-text token (`tokenizer.choose_eos`).
 
     Returns {"manifest", "docs_tokenized", "tokens_tokenized", "shards_reused", "seconds"}. Raises
     InputError (bad input, named by file and line), PrepareError (`out_dir` holds a finished data
@@ -277,9 +285,10 @@ def prepare(
     t0 = time.perf_counter()
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
+    eos_token, eos = choose_eos(tok, tokenizer, eos_token)
     tokenizer_sha = sha256_file(tokenizer)
     val = {"docs": val_docs} if val_docs is not None else {"fraction": val_fraction}
-    settings = _settings(files, tokenizer_sha, text_field, shard_size_mb, val, prefix, val_prefix)
+    settings = _settings(files, tokenizer_sha, eos_token, text_field, shard_size_mb, val, prefix, val_prefix)
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
     out = Path(out_dir)
@@ -289,6 +298,7 @@ def prepare(
         return summary
     prefixes = {"train": prefix, "val": val_prefix}
     progress = _start(out, fingerprint, prefixes, Path(tokenizer), echo)
+    echo(f"[data] every document ends with {eos_token!r} (id {eos})")
     reused = sum(len(v) for v in progress.splits.values())
 
     is_val = val_chooser(val, lambda: (text for text, _ in iter_inputs(files, text_field)))
@@ -299,6 +309,7 @@ def prepare(
         out,
         progress,
         vocab_size=tok.get_vocab_size(),
+        eos=eos,
         prefixes=prefixes,
         shard_size_mb=shard_size_mb,
         workers=workers,
@@ -315,8 +326,9 @@ def prepare(
     manifest = new_manifest(
         tok.get_vocab_size(),
         tokenizer_sha,
-        eos_id(tok),
+        eos,
         written.entries,
+        eos_token=eos_token,
         command=command,
         source=source,
         prepare={"fingerprint": fingerprint},

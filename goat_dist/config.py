@@ -2,6 +2,11 @@
 
 ``load_config("configs/tiny.yaml", ["train.max_steps=50", "model.goat.pos_rank=8"])`` returns a
 validated ``Config``; unknown keys and wrong types raise ``ConfigError`` naming the key.
+
+``model.vocab_size`` left out (or ``null`` / ``auto``) is the data set's: the largest ``vocab_size`` of
+the manifests of ``data.source`` / ``data.sources`` (the model pads it as any vocabulary, see
+``model.gpt.padded_vocab_size``). The builtin corpus, a generated task or a data set without a readable
+manifest keep DEFAULT_VOCAB_SIZE (the builtin corpus trains its tokenizer to that size).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ DATA_RESUME = ("check", "restart")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 EXPORT_DTYPES = ("fp32", "bf16")
 SYNTHETIC_TASKS = ("passkey",)
+DEFAULT_VOCAB_SIZE = 4096
 
 
 class ConfigError(ValueError):
@@ -51,7 +57,9 @@ class GoatConfig:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096  # the tokenizer's; padded internally for TP (padding gets no probability)
+    # the tokenizer's; padded internally for TP (padding gets no probability). Left out, null or auto in a
+    # config: the data set manifest's (load_config), DEFAULT_VOCAB_SIZE when there is no manifest
+    vocab_size: int = DEFAULT_VOCAB_SIZE
     seq_len: int = 256  # training context; GOAT's L_train unless model.goat.train_len says otherwise
     num_layers: int = 4
     hidden_size: int = 256
@@ -260,8 +268,57 @@ def add_config_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=50 run.dir=x")
 
 
+def _vocab_given(update: dict, given: bool) -> bool:
+    """Whether ``model.vocab_size`` is set once ``update`` (a YAML file or an override) is merged; drops a
+    ``null``/``auto`` value from it, which asks for the data set's vocabulary instead."""
+    model = update.get("model")
+    if not isinstance(model, dict) or "vocab_size" not in model:
+        return given
+    if model["vocab_size"] is None or model["vocab_size"] == "auto":
+        del model["vocab_size"]
+        return False
+    return True
+
+
+def _manifest_vocab_size(path: str) -> int | None:
+    """``vocab_size`` of the manifest of the data set at ``path`` (directory or URL prefix); None when it
+    can't be read (the data stage names the problem when the run reads it)."""
+    from data_tools.shard_format import MANIFEST_NAME, read_manifest
+
+    local = Path(path).expanduser()
+    try:
+        if (local / MANIFEST_NAME).is_file():
+            return read_manifest(local)["vocab_size"]
+        from .data.shards import is_url  # only here: the data package imports torch
+
+        if not is_url(path):
+            return None
+        from .data.sources import load_manifest
+
+        return load_manifest(path)["vocab_size"]
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: a shard URL that can't be opened
+        return None
+
+
+def data_vocab_size(cfg: Config) -> int | None:
+    """The vocabulary of the configured data set(s), from their manifests; None for the builtin corpus, a
+    generated task (``data.synthetic``) and data sets without a readable manifest."""
+    d = cfg.data
+    if d.synthetic:
+        return None
+    if d.sources:
+        paths = [src["path"] for src in d.sources if isinstance(src, dict) and "path" in src]
+    elif d.source == "builtin":
+        return None
+    else:
+        paths = [d.source]
+    sizes = [n for n in (_manifest_vocab_size(str(p)) for p in paths) if isinstance(n, int)]
+    return max(sizes) if sizes else None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
+    vocab_given = False
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -273,11 +330,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         try:
+            vocab_given = _vocab_given(data, vocab_given)
             _merge(cfg, data)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
     for text in overrides or []:
-        _merge(cfg, parse_override(text))
+        update = parse_override(text)
+        vocab_given = _vocab_given(update, vocab_given)
+        _merge(cfg, update)
+    if not vocab_given:
+        cfg.model.vocab_size = data_vocab_size(cfg) or DEFAULT_VOCAB_SIZE
     validate(cfg)
     return cfg
 
@@ -355,6 +417,7 @@ def validate(cfg: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size,
         "train.global_batch_size": t.global_batch_size,
         "model.seq_len": m.seq_len,
+        "model.vocab_size": m.vocab_size,
         "log.interval": cfg.log.interval,
         "parallel.tp": cfg.parallel.tp,
         "parallel.cp": cfg.parallel.cp,
