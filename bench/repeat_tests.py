@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--log-dir", default="repeat-logs", help="each run's pytest output goes here")
     args = ap.parse_args()
     os.makedirs(args.log_dir, exist_ok=True)
+    # as if this Python's environment were activated: scripts the tests start find its `python`
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     results = []
     for run in range(args.runs):
         loaded = run < args.loaded
@@ -51,6 +53,7 @@ def main() -> int:
                 [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args.tests],
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env=env,
             )
         seconds = time.monotonic() - start
         load_after = os.getloadavg()[0]

@@ -91,7 +91,7 @@ def last_step(run_dir: Path) -> int:
 
 def trainer_pids(run_dir: Path) -> list[int]:
     """The training tasks of a job (``python -m goat_dist train ... run.dir=<run_dir>``), not their
-    DataLoader workers (children with the same command line)."""
+    DataLoader workers (children with the same command line) nor the ``srun`` that started them."""
     want = f"run.dir={run_dir}"
     found: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -102,7 +102,7 @@ def trainer_pids(run_dir: Path) -> list[int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if "goat_dist" in args and "train" in args and want in args:
+        if args[1:4] == ["-m", "goat_dist", "train"] and want in args:  # not srun, whose arguments match too
             found[int(entry.name)] = ppid
     return sorted(pid for pid, ppid in found.items() if ppid not in found)
 
