@@ -11,7 +11,9 @@ Slurm job (``slurm/train.sbatch`` runs it first). It checks, in this order:
 * run dir: writable from every node, and the same directory on all of them (a file rank 0 writes is
   visible to every node's first rank);
 * data: the configured source(s) are reachable (manifest readable, shard files present), or for the
-  builtin corpus, its cache is ready or can be built;
+  builtin corpus, its cache is ready or can be built; a local data set's shards (every split) have the
+  size its manifest records (a stat per shard, no reads: a truncated copy fails here, not hours into
+  training);
 * disk: free space on the run dir's file system for the next checkpoint, estimated from the model's
   parameter count (``checkpoint_bytes``).
 
@@ -299,6 +301,40 @@ def _reachable_url(url: str, timeout: float = 20.0) -> str | None:
         return f"{target}: {e}"
 
 
+SHARDS_NAMED = 3  # shard problems spelled out per data set; the rest are counted
+
+
+def shard_size_problems(dataset_dir: Path, manifest: dict) -> list[str]:
+    """Shards of a local data set (every split) that are missing or whose size on disk differs from the
+    manifest's ``bytes``: one stat per shard, nothing read (``goat-dist data inspect`` reads and hashes)."""
+    problems = []
+    for entries in manifest["splits"].values():
+        for e in entries:
+            path = dataset_dir / e["name"]
+            expected = e.get("bytes")
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                size = f" (the manifest lists {expected} bytes)" if expected is not None else ""
+                problems.append(f"shard {e['name']} is missing{size}")
+                continue
+            except OSError as err:
+                problems.append(f"shard {e['name']} cannot be read: {err}")
+                continue
+            if expected is not None and actual != expected:
+                problems.append(
+                    f"shard {e['name']} is {actual} bytes on disk, the manifest says {expected} bytes "
+                    "(truncated or changed copy?)"
+                )
+    return problems
+
+
+def _shard_summary(dataset_dir: Path, problems: list[str]) -> str:
+    named = "; ".join(problems[:SHARDS_NAMED])
+    more = len(problems) - SHARDS_NAMED
+    return f"{dataset_dir}: {named}" + (f"; and {more} more shard(s)" if more > 0 else "")
+
+
 def check_data(report: Report, cfg) -> None:
     from .data import builtin_dataset_dir, read_manifest, split_shard_paths
     from .data.shards import is_url
@@ -309,7 +345,14 @@ def check_data(report: Report, cfg) -> None:
     elif d.source == "builtin":
         target = builtin_dataset_dir(d.cache_dir, cfg.model.vocab_size, d.builtin_max_bytes)
         if (target / "manifest.json").is_file():
-            report.ok("data", f"builtin corpus ready in {target}")
+            try:
+                bad = shard_size_problems(target, read_manifest(target))
+            except (OSError, ValueError) as e:
+                bad = [str(e)]
+            if bad:
+                report.fail("data", f"builtin corpus: {_shard_summary(target, bad)}")
+            else:
+                report.ok("data", f"builtin corpus ready in {target}")
             return
         parent = target.parent
         try:
@@ -339,8 +382,11 @@ def check_data(report: Report, cfg) -> None:
         try:
             manifest = read_manifest(path)
             shards = split_shard_paths(path, "train")
+            bad = shard_size_problems(path, manifest)
             missing = [s for s in shards if not os.access(s, os.R_OK)]
-            if missing:
+            if bad:
+                problems.append(_shard_summary(path, bad))
+            elif missing:
                 problems.append(
                     f"{path}: {len(missing)} of {len(shards)} train shards unreadable, e.g. {missing[0]}"
                 )

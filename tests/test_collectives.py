@@ -44,6 +44,7 @@ def test_agree_folds_the_step_into_one_vector(world1):
         nonfinite_grad=torch.tensor(1.0),
         fingerprint=FINGERPRINT_MOD + 5,
         skipped=2,
+        valid_labels=7,
         signal=True,
         save_due=False,
         deadline=True,
@@ -51,12 +52,30 @@ def test_agree_folds_the_step_into_one_vector(world1):
         dp=1,
     )
     assert control.loss == 2.0 and control.fingerprint == 5 and control.skipped == 2
+    assert control.valid_labels == 7 and not control.unreadable and control.dropped  # dropped: the NaN grad
     assert control.nonfinite and control.nonfinite_grad == 1 and control.nonfinite_loss == 0
     assert control.signal and control.deadline and not control.save_due
     nan = agree(
-        torch.tensor(float("nan")), 1, torch.tensor(1), torch.tensor(0.0), 0, 0, False, False, False, 1, 1
+        torch.tensor(float("nan")), 1, torch.tensor(1), torch.tensor(0.0), 0, 0, 5, False, False, False, 1, 1
     )
     assert nan.nonfinite_loss == 1 and nan.loss == 0.0  # the flag carries the NaN, the sum stays clean
+
+
+def test_agree_carries_the_count_of_labels_with_loss(world1):
+    """A finite step whose global batch has no label with loss is ``unreadable``, and its update dropped;
+    one label with loss anywhere in the global batch is enough to train."""
+
+    def step(valid_labels: int, skipped: int = 4):
+        zero = torch.tensor(0.0)
+        return agree(zero, 2, zero, zero, 0, skipped, valid_labels, False, False, False, tp=1, dp=1)
+
+    empty = step(0)
+    assert empty.valid_labels == 0 and empty.unreadable and empty.dropped and not empty.nonfinite
+    assert empty.skipped == 4
+    one = step(1)
+    assert one.valid_labels == 1 and not one.unreadable and not one.dropped
+    big = 2**40 + 3  # far more labels than any global batch: still exact in the float64 vector
+    assert step(big, skipped=0).valid_labels == big
 
 
 def test_one_control_collective_per_step(world1, builtin_cache, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import namedtuple
@@ -122,12 +123,55 @@ def test_data_checks(tmp_path, builtin_cache, capsys):
     doctor.check_data(r, load_config(None, [f"data.cache_dir={blocker}/cache"]))
     assert r.failed == {"data"} and "not writable" in capsys.readouterr().err
 
-    r = report()  # a shard missing from a copied data set
+    r = report()  # the shards missing from a copied data set
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "manifest.json").write_text((shards / "manifest.json").read_text())
     doctor.check_data(r, load_config(None, [f"data.source={copy}"]))
-    assert r.failed == {"data"} and "train shards unreadable" in capsys.readouterr().err
+    assert r.failed == {"data"} and "shard train-000000.tar is missing" in capsys.readouterr().err
+
+
+def _copy_with_bad_shards(shards: Path, dest: Path) -> tuple[int, int]:
+    """``dest``: a copy of the builtin data set with its train shard truncated after the first tar header
+    (a copy cut short) and its val shard deleted; returns (manifest size of the train shard, size now)."""
+    shutil.copytree(shards, dest)
+    train = dest / "train-000000.tar"
+    full = train.stat().st_size
+    with open(train, "r+b") as f:
+        f.truncate(512 + 8)
+    (dest / "val-000000.tar").unlink()
+    return full, 512 + 8
+
+
+def test_data_check_names_truncated_and_missing_shards(tmp_path, builtin_cache, capsys):
+    """A shard whose size differs from the manifest's ``bytes`` (or that is missing) fails the data check,
+    naming the shard and both sizes; a stat, not a read (the truncated copy still opens as a tar)."""
+    from goat_dist.data import builtin_dataset_dir
+
+    shards = builtin_dataset_dir(builtin_cache, 4096, 1_000_000)
+    full, now = _copy_with_bad_shards(shards, tmp_path / "bad")
+    r = report()
+    doctor.check_data(r, load_config(None, [f"data.source={tmp_path / 'bad'}"]))
+    assert r.failed == {"data"}
+    err = capsys.readouterr().err
+    assert f"FAIL data: {tmp_path / 'bad'}: shard train-000000.tar is {now} bytes on disk, " in err, err
+    assert f"the manifest says {full} bytes" in err
+    assert "shard val-000000.tar is missing (the manifest lists 10240 bytes)" in err
+
+    r = report()  # the same in a mixture, next to a healthy source: only the bad one is named
+    mixture = f"data.sources=[{{path: {shards}}}, {{path: {tmp_path / 'bad'}}}]"
+    doctor.check_data(r, load_config(None, [mixture]))
+    err = capsys.readouterr().err
+    assert r.failed == {"data"} and f"{tmp_path / 'bad'}: shard train-000000.tar is {now} bytes" in err
+    assert f"{shards}:" not in err
+
+    cache = tmp_path / "cache"  # a builtin corpus cut short in its cache
+    _copy_with_bad_shards(shards, cache / shards.name)
+    r = report()
+    doctor.check_data(r, load_config(None, [f"data.cache_dir={cache}", "data.builtin_max_bytes=1000000"]))
+    err = capsys.readouterr().err
+    assert r.failed == {"data"} and "FAIL data: builtin corpus: " in err
+    assert f"shard train-000000.tar is {now} bytes on disk, the manifest says {full} bytes" in err
 
 
 def test_cli_registers_doctor():

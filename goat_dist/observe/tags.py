@@ -24,6 +24,7 @@ TRAIN_TAGS = {
     "epoch": "data/epoch",
     "data_skipped": "data/skipped_samples",
     "nonfinite_skipped": "data/nonfinite_skipped_steps",
+    "unreadable_skipped": "data/unreadable_skipped_steps",
 }
 
 # written at every evaluation (train.eval_interval and the last step)

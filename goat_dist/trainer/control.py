@@ -1,14 +1,15 @@
 """The one blocking collective of a training step.
 
 Everything the ranks must agree on after the last backward of a step travels in one small float64
-vector, summed over the whole world: the loss, the data fingerprint and skip count, whether any loss or
-gradient was non-finite, whether a stop signal arrived, and rank 0's clock-based decisions (a
-time-interval checkpoint, a deadline). One host sync (the device values join the vector) and one
-all-reduce per step; values that are only logged are reduced at log intervals instead.
+vector, summed over the whole world: the loss, the data fingerprint, the skip count and the count of
+labels that carry loss, whether any loss or gradient was non-finite, whether a stop signal arrived, and
+rank 0's clock-based decisions (a time-interval checkpoint, a deadline). One host sync (the device values
+join the vector) and one all-reduce per step; values that are only logged are reduced at log intervals
+instead.
 
 Why a sum over the world: flags become "any rank" (sum > 0); values that every tensor-parallel peer holds
-identically (loss, fingerprint, skip count) are summed over all ranks and divided by the TP size, exactly.
-Clock decisions are contributed by rank 0 only, so every rank acts on the same clock.
+identically (loss, fingerprint, skip count, valid labels) are summed over all ranks and divided by the TP
+size, exactly. Clock decisions are contributed by rank 0 only, so every rank acts on the same clock.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _FIELDS = (
     "loss",
     "fingerprint",
     "skipped",
+    "valid_labels",
     "nonfinite_loss",
     "nonfinite_grad",
     "signal",
@@ -42,6 +44,7 @@ class StepControl:
     loss: float  # mean loss over the global batch (data-parallel mean of per-rank means)
     fingerprint: int  # digest of the global batch's data (see trainer.batch_fingerprint)
     skipped: int  # samples with unreadable data in the global batch
+    valid_labels: int  # labels of the global batch that carry loss (not IGNORE_INDEX)
     nonfinite_loss: int  # ranks x micro-batches whose loss was NaN/Inf
     nonfinite_grad: int  # ranks whose local gradients hold a NaN/Inf
     signal: bool  # a stop signal reached some rank
@@ -52,6 +55,16 @@ class StepControl:
     def nonfinite(self) -> bool:
         return bool(self.nonfinite_loss or self.nonfinite_grad)
 
+    @property
+    def unreadable(self) -> bool:
+        """No label of the global batch carries loss (all unreadable data): nothing to learn from."""
+        return self.valid_labels == 0
+
+    @property
+    def dropped(self) -> bool:
+        """The step's update is dropped: non-finite, or nothing to learn from."""
+        return self.nonfinite or self.unreadable
+
 
 def agree(
     loss_sum: torch.Tensor,
@@ -60,6 +73,7 @@ def agree(
     nonfinite_grad: torch.Tensor,
     fingerprint: int,
     skipped: int,
+    valid_labels: int,
     signal: bool,
     save_due: bool,
     deadline: bool,
@@ -71,7 +85,7 @@ def agree(
 
     ``loss_sum``, ``nonfinite_loss`` and ``nonfinite_grad`` may live on the device: they are moved to the
     host together (the step's one host sync). Context parallel: the CP ranks of a replica hold the same
-    batch (fingerprint, skip count) and losses whose CP mean is the rows' mean, like TP peers.
+    batch (fingerprint, skip count, valid labels) and losses whose CP mean is the rows' mean, like TP peers.
     """
     peers = tp * cp  # ranks of one replica that hold the same batch
     loss, bad_loss, bad_grad = (
@@ -84,6 +98,7 @@ def agree(
         loss if math.isfinite(loss) else 0.0,  # a NaN must not poison the sum; the flags carry it
         float(fingerprint % FINGERPRINT_MOD),
         float(skipped),
+        float(valid_labels),  # host ints: exact in float64 up to 2**53
         bad_loss,
         bad_grad,
         float(signal),
@@ -98,6 +113,7 @@ def agree(
         loss=values["loss"] / (peers * dp * micro_batches),
         fingerprint=int(round(values["fingerprint"])) // peers % FINGERPRINT_MOD,
         skipped=int(round(values["skipped"])) // peers,
+        valid_labels=int(round(values["valid_labels"])) // peers,
         nonfinite_loss=int(round(values["nonfinite_loss"])),
         nonfinite_grad=int(round(values["nonfinite_grad"])),
         signal=values["signal"] > 0,

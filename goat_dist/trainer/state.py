@@ -12,6 +12,8 @@ class RunState:
     consumed_tokens: int = 0
     data_skipped: int = 0  # samples with unreadable data (data.on_error=skip), all ranks
     nonfinite_skipped: int = 0  # steps whose update was dropped for a NaN/Inf (train.on_nonfinite=skip)
+    unreadable_skipped: int = 0  # steps whose update was dropped: no readable label in the global batch
+    unreadable_in_row: int = 0  # the current run of such steps (saved: the limit counts across a resume)
     stream_start: int = 0  # consumed_samples when the current data stream began (train.data_resume=restart)
     elapsed_s: float = 0.0  # training wall time so far (this and earlier attempts)
     stop_requested: str | None = None  # a stop signal or the deadline; honoured at the step boundary

@@ -17,7 +17,7 @@ from ..checkpoint import CheckpointManager, extension
 from ..config import Config, save_config
 from ..distributed import LayoutError
 from ..model import GPT
-from . import data_contract, nonfinite
+from . import data_contract, nonfinite, unreadable
 from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .control import StepControl, agree
@@ -293,15 +293,17 @@ class Trainer:
     def train_step(self, it) -> StepControl:
         """One optimizer step (``grad_accum`` micro-batches) and the step's one collective.
 
-        The update is applied, dropped (``train.on_nonfinite=skip``) or refused with an error (``raise``)
-        depending on what every rank saw; the returned control says which, and holds the DP-mean loss."""
-        losses, fingerprint, skipped = [], 0, 0
+        The update is applied, dropped (non-finite under ``train.on_nonfinite=skip``, or no readable label
+        in the global batch: ``unreadable``) or refused with an error (``raise``, or too many dropped in a
+        row) depending on what every rank saw; the returned control says which, and holds the DP-mean loss."""
+        losses, fingerprint, skipped, valid = [], 0, 0, 0
         first_micro = self._micro_seen  # the loader's index of this step's first micro-batch
         for micro in range(self.grad_accum):
             tokens, positions, labels, raw = self._batch(it)
             self._micro_seen += 1
             fingerprint += batch_fingerprint(raw["tokens"])
             skipped += int(raw.get("skipped", 0))
+            valid += unreadable.valid_labels(raw)  # host-side, from the loader's batch
             with self.autocast():
                 loss = self._forward(tokens, positions, labels, micro)
             self.engine.backward(loss)
@@ -317,6 +319,7 @@ class Trainer:
             nonfinite_grad=nonfinite.local_grads_nonfinite(self.engine),
             fingerprint=fingerprint,
             skipped=skipped,
+            valid_labels=valid,
             signal=self.signals.received is not None,
             save_due=self._minutes_due(),
             deadline=self._deadline_near(),
@@ -326,10 +329,14 @@ class Trainer:
         )
         if control.nonfinite:
             self._on_nonfinite(control, [first_micro + k for k in bad_loss.nonzero().flatten().tolist()])
+        else:
+            self._nonfinite_in_row = 0
+            dataset, main = self._train_loader.dataset, self.layout.is_main
+            unreadable.count_step(self.state, control, self.cfg.train, dataset, first_micro, main)
+        if control.dropped:
             with nonfinite.update_dropped(self.engine):
                 self.engine.step()
         else:
-            self._nonfinite_in_row = 0
             if self.state.step == self._first_step + 1:
                 # Gradients and optimizer state coexist here (the peak): measure once, in the second step
                 # (the first creates the optimizer state).
@@ -455,14 +462,16 @@ class Trainer:
             state.elapsed_s += self._last_step_s
             window_steps += 1
             last = state.step == cfg.train.max_steps
-            if state.step % cfg.log.interval == 0 or last or state.step == 1 or control.nonfinite:
+            if state.step % cfg.log.interval == 0 or last or state.step == 1 or control.dropped:
                 seconds = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / seconds
                 state.metrics = {
                     "data_fingerprint": control.fingerprint,
                     "data_skipped": state.data_skipped,
                     "nonfinite_skipped": state.nonfinite_skipped,
-                    "loss": control.loss if not control.nonfinite_loss else float("nan"),
+                    "unreadable_skipped": state.unreadable_skipped,
+                    # NaN: a non-finite loss, or no loss at all (no readable label)
+                    "loss": float("nan") if control.nonfinite_loss or control.unreadable else control.loss,
                     "lr": lr,
                     "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                     "tokens_per_s": tokens_per_s,
