@@ -109,11 +109,15 @@ def _rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
-def per_rank(dataset: Path, dp: int, seq_len: int, micro_batch: int, batches: int) -> tuple[float, float]:
+def per_rank(
+    dataset: Path, dp: int, seq_len: int, micro_batch: int, batches: int, order: str = "keyed"
+) -> tuple[float, float]:
     """(tokens/s, bytes read per delivered token) of rank 0 of a dp-way job, in this process."""
     from goat_dist.data.loader import build_train_loader
 
-    loader = build_train_loader([str(dataset)], seq_len, micro_batch, 0, dp, seed=0, num_workers=0)
+    loader = build_train_loader(
+        [str(dataset)], seq_len, micro_batch, 0, dp, seed=0, num_workers=0, window_order=order
+    )
     it = iter(loader)
     next(it)  # the first shards and their indexes opened
     before, t0 = _rchar(), time.perf_counter()
@@ -126,22 +130,27 @@ def per_rank(dataset: Path, dp: int, seq_len: int, micro_batch: int, batches: in
 
 
 def ranks_table(dataset: Path, batches: int, repeats: int) -> None:
+    """Per-rank rows for data.window_order=keyed (the default) and numpy (whole-block shuffles)."""
     item = 2  # uint16 ids
     sizes = (1, 8, 64, 512)
-    best: dict[int, tuple[float, float]] = {}
-    for _ in range(repeats):  # interleaved: a busy spell hits every dp alike
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for _ in range(repeats):  # interleaved: a busy spell hits every row alike
+        for order in ("keyed", "numpy"):
+            for dp in sizes:
+                rate, per_token = per_rank(dataset, dp, 2048, 8, batches, order)
+                old = best.get((order, dp), (0.0, per_token))
+                best[order, dp] = (max(old[0], rate), per_token)
+    print(f"\none rank of dp (seq 2048, micro-batch 8, no workers)     {'tokens/s':>14}{'B read/token':>14}")
+    for order in ("keyed", "numpy"):
         for dp in sizes:
-            rate, per_token = per_rank(dataset, dp, 2048, 8, batches)
-            old = best.get(dp, (0.0, per_token))
-            best[dp] = (max(old[0], rate), per_token)
-    print(f"\none rank of dp (seq 2048, micro-batch 8, no workers){'tokens/s':>14}{'B read/token':>14}")
-    for dp in sizes:
-        rate, per_token = best[dp]
-        print(f"  dp={dp:<47}{rate:>14,.0f}{per_token:>14.3f}")
-    print(
-        f"per rank: tokens/s dp=512 / dp=1 = {best[512][0] / best[1][0]:.2f} (target >= 0.8); "
-        f"bytes read / delivered token bytes at dp=512 = {best[512][1] / item:.3f} (target <= 1.25)"
-    )
+            rate, per_token = best[order, dp]
+            print(f"  window_order={order:<6} dp={dp:<30}{rate:>14,.0f}{per_token:>14.3f}")
+    for order in ("keyed", "numpy"):
+        print(
+            f"per rank, window_order={order}: tokens/s dp=512 / dp=1 = "
+            f"{best[order, 512][0] / best[order, 1][0]:.2f} (target >= 0.8); bytes read / delivered token "
+            f"bytes at dp=512 = {best[order, 512][1] / item:.3f} (target <= 1.25)"
+        )
 
 
 def main() -> None:
@@ -162,7 +171,7 @@ def main() -> None:
         print(f"corpus: {len(docs)} stdlib documents, {mb:.1f} MB; byte-level BPE, vocab 4096")
         if a.ranks_only:
             prepare_tokens_per_s(docs, tok_path, tmp / "ds0", a.workers)
-            ranks_table(tmp / "ds0", 50, a.repeats)
+            ranks_table(tmp / "ds0", 300, a.repeats)
             return
         pool_rate = threads_rate = prep = loader = 0.0
         for r in range(a.repeats):  # interleaved, so a busy spell on a shared machine hits all alike
@@ -170,7 +179,7 @@ def main() -> None:
             pool_rate, threads_rate = max(pool_rate, pool), max(threads_rate, threads)
             prep = max(prep, prepare_tokens_per_s(docs, tok_path, tmp / f"ds{r}", a.workers))
             loader = max(loader, loader_tokens_per_s(tmp / "ds0", 2048, 8, 2, a.batches))
-        ranks_table(tmp / "ds0", 50, a.repeats)
+        ranks_table(tmp / "ds0", 300, a.repeats)
     raw = max(pool_rate, threads_rate)
 
     w = a.workers

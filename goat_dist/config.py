@@ -34,6 +34,7 @@ DATA_RESUME = ("check", "restart")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 EXPORT_DTYPES = ("fp32", "bf16")
 SYNTHETIC_TASKS = ("passkey",)
+WINDOW_ORDERS = ("keyed", "numpy")  # data/schedule.py's, without importing the data package here
 DEFAULT_VOCAB_SIZE = 4096
 
 
@@ -128,6 +129,9 @@ class DataConfig:
     builtin_max_bytes: int = 8_000_000
     num_workers: int = 0  # DataLoader workers per rank (batches are identical for any number)
     shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
+    # order inside a shuffle block: keyed (a seeded bijection, O(1) per sample at any dp) | numpy (the
+    # order of streams begun before keyed existed; a resume of such a run keeps it by itself)
+    window_order: str = "keyed"
     document_masking: bool = False  # positions restart per document and attention stays inside it
     on_error: str = "raise"  # raise | skip (a corrupt shard's rest is masked, counted, logged)
     synthetic: str | None = None  # None | passkey: a generated task instead of `source` (data/synthetic.py)
@@ -359,6 +363,7 @@ def validate(cfg: Config) -> None:
     _choice("model.goat.prior_init", m.goat.prior_init, PRIOR_INITS)
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("data.on_error", cfg.data.on_error, ON_ERROR)
+    _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.data_resume", t.data_resume, DATA_RESUME)
     for i, src in enumerate(cfg.data.sources or []):

@@ -145,9 +145,10 @@ def test_one_rank_reads_only_its_own_samples(big, tmp_path, dp, workers):
     train = read_manifest(big)["splits"]["train"]
     index_bytes = max(e["index"]["bytes"] for e in train)
     dl = loader([big], dp_rank=3, dp_size=dp, seq_len=L, micro_batch_size=B, num_workers=workers)
+    others = {c.pid for c in psutil.Process().children()}  # workers of loaders other tests left behind
     it = iter(dl)
     next(it)  # workers started, first shards opened
-    pids = [c.pid for c in psutil.Process().children()] if workers else [os.getpid()]
+    pids = [c.pid for c in psutil.Process().children() if c.pid not in others] if workers else [os.getpid()]
     assert len(pids) == max(workers, 1)
     before = _rchar(pids)
     for _ in range(n):
@@ -214,3 +215,76 @@ def test_inspect_checks_the_index(big, tmp_path, capsys):
     legacy = legacy_copy(big, tmp_path / "legacy")
     assert inspect_dataset(legacy) == []
     assert "without an index" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the order of windows inside a block
+
+
+def test_keyed_permutation_is_a_seeded_bijection():
+    from goat_dist.data.schedule import KeyedPermutation, stream_key
+
+    for n in (1, 2, 3, 5, 64, 1000, 1024, 1025):
+        perm = [KeyedPermutation(n, stream_key(7, 1, 0, 2, 9))(i) for i in range(n)]
+        assert sorted(perm) == list(range(n))
+    a = [KeyedPermutation(1024, stream_key(7, 1, 0, 2, 9))(i) for i in range(1024)]
+    assert a == [KeyedPermutation(1024, stream_key(7, 1, 0, 2, 9))(i) for i in range(1024)]
+    b = [KeyedPermutation(1024, stream_key(7, 1, 0, 2, 10))(i) for i in range(1024)]  # the next block
+    assert a != b and a != list(range(1024))
+    fixed = sum(x == i for i, x in enumerate(a))
+    assert fixed < 10  # a random permutation of 1024 has ~1 fixed point
+
+
+def epoch_windows(ds, L: int, seed: int, order: str = "keyed") -> np.ndarray:
+    """Epoch 0's token stream of a one-source data set, decoded front to back in the epoch's shard order."""
+    from goat_dist.data.schedule import SourceSchedule
+    from goat_dist.data.shards import iter_documents
+
+    train = read_manifest(ds)["splits"]["train"]
+    order = SourceSchedule([e["n_tokens"] for e in train], L, seed, 0, 0, window_order=order).shard_order(0)
+    return np.concatenate([ids for i in order for _, ids in iter_documents(ds / train[i]["name"])])
+
+
+def test_window_order_numpy_is_the_stream_of_runs_begun_before_keyed(big):
+    """The reference is the formula such streams were read with: window = block start +
+    numpy.random.default_rng([seed, 0x626C6B, source, epoch, block]).permutation(block size)[offset]."""
+    L, block, seed = 64, 64, 5
+    stream = epoch_windows(big, L, seed, "numpy")
+    got = torch.cat([b["tokens"] for b in batches(loader([big], window_order="numpy"), 50)]).numpy()
+    for p, row in enumerate(got):
+        b, i = divmod(p, block)
+        w = b * block + np.random.default_rng([seed, 0x626C6B, 0, 0, b]).permutation(block)[i]
+        assert np.array_equal(row, stream[w * L : w * L + L])
+
+
+def test_window_order_keyed_shuffles_inside_each_block(big):
+    """Epoch 0's first 4 blocks (64 windows each): block b shows exactly windows b*64 ... b*64+63, not
+    in order (windows of this data set differ from each other within the first 1875)."""
+    L, block = 64, 64
+    stream = epoch_windows(big, L, 5)
+    windows = np.stack([stream[w * L : w * L + L] for w in range(4 * block)])
+    got = torch.cat([b["tokens"] for b in batches(loader([big]), 64)]).numpy()
+    seen = []
+    for row in got:
+        (match,) = np.flatnonzero((windows == row).all(axis=1))
+        seen.append(int(match))
+    for b in range(4):
+        assert sorted(seen[b * block : (b + 1) * block]) == list(range(b * block, (b + 1) * block))
+    assert seen != sorted(seen)
+
+
+def test_a_resume_of_a_stream_begun_before_window_order_keeps_its_order():
+    from goat_dist.config import load_config
+    from goat_dist.trainer import data_contract
+
+    cfg = load_config(None, [])
+    contract = {"seq_len": 64, "window_order": cfg.data.window_order}
+    old = {"seq_len": 64}  # a contract written before the key existed
+    assert data_contract.keep_window_order(old, cfg, contract)
+    assert cfg.data.window_order == contract["window_order"] == "numpy"
+    assert data_contract.differences(old, contract) == []
+    cfg = load_config(None, [])
+    assert not data_contract.keep_window_order({"seq_len": 64, "window_order": "keyed"}, cfg, dict(contract))
+    assert cfg.data.window_order == "keyed"
+    assert data_contract.differences({"window_order": "keyed"}, {"window_order": "numpy"}) == [
+        "data.window_order: 'keyed' -> 'numpy'"
+    ]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_tools.shard_format import ShardError, write_manifest
+from data_tools.shard_format import ShardError, read_manifest, write_manifest
 from data_tools.writer import ShardWriter
 from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_loader
 from goat_dist.data.sources import resolve_sources
@@ -238,10 +238,15 @@ def test_bad_arguments(data_a, tmp_path):
 
 @pytest.fixture()
 def corrupt_copy(data_a, tmp_path) -> tuple[Path, str]:
-    """A copy of data_a with one train shard truncated inside its third sample."""
+    """A copy of data_a with one train shard truncated inside its third sample: the second shard epoch 0
+    reads (loader()'s seed), so the tests below reach it early."""
+    from goat_dist.data.schedule import SourceSchedule
+
     root = tmp_path / "bad"
     shutil.copytree(data_a, root)
-    name = sorted(p.name for p in root.glob("train-*.tar"))[3]
+    train = read_manifest(root)["splits"]["train"]
+    order = SourceSchedule([e["n_tokens"] for e in train], 16, 7, 0, 8).shard_order(0)
+    name = train[order[1]]["name"]
     with open(root / name, "r+b") as f:
         f.truncate(2 * 1024 + 512 + 10)
     return root, name

@@ -7,7 +7,9 @@ the previous run stopped, whatever the number of DataLoader workers.
 The global sample stream (identical on every rank and worker):
   * every source is a packed stream of windows of `seq_len + 1` tokens (stride `seq_len`) over
     its documents; epoch e reads the source's shards in a seeded order and shows its windows
-    shuffled within blocks of `shuffle_buffer` windows (see `schedule.SourceSchedule`); windows
+    shuffled within blocks of `shuffle_buffer` windows (see `schedule.SourceSchedule`; the order
+    inside a block is `window_order`: "keyed", a seeded bijection evaluated per sample, or "numpy",
+    a numpy shuffle of the whole block, as streams begun before "keyed" existed); windows
     never cross an epoch and the tail of an epoch (< one window) is dropped;
   * global sample n comes from source `Mixture.locate(n)`: in every chunk of 4096 samples each
     source has round(4096 * weight) slots, in a seeded random order; each source advances its
@@ -90,9 +92,9 @@ class _SourceWindows:
         """Tokens [w * L, w * L + L + 1) of epoch `epoch`."""
         if epoch != self.epoch:
             order = self.schedule.shard_order(epoch)
-            self.reader = EpochReader(
-                self.split, order, self.on_error, self.split.eos_id, self.warned, self.files
-            )
+            if self.reader is None or self.reader.order != order:  # one shard: the same every epoch
+                eos = self.split.eos_id
+                self.reader = EpochReader(self.split, order, self.on_error, eos, self.warned, self.files)
             self.epoch = epoch
         L = self.schedule.seq_len
         return self.reader.read(w * L, w * L + L + 1)
@@ -119,6 +121,7 @@ class PackedBatches(IterableDataset):
         on_error: str = "raise",
         shuffle: bool = True,
         cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
+        window_order: str = "keyed",
     ):
         super().__init__()
         if seq_len < 1 or micro_batch_size < 1:
@@ -138,7 +141,7 @@ class PackedBatches(IterableDataset):
         self.document_masking, self.on_error = document_masking, on_error
         self.cache_dir = cache_dir  # indexes of shards without one, and copies of remote shards
         self.schedules = [
-            SourceSchedule(s.n_tokens, seq_len, seed, i, shuffle_buffer, shuffle)
+            SourceSchedule(s.n_tokens, seq_len, seed, i, shuffle_buffer, shuffle, window_order)
             for i, s in enumerate(self.sources)
         ]
         for s, sched in zip(self.sources, self.schedules):
@@ -277,6 +280,7 @@ def build_train_loader(
     split: str = "train",
     pin_memory: bool = False,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
+    window_order: str = "keyed",
 ) -> DataLoader:
     """DataLoader of this rank's training micro-batches, resumed at global sample `start_sample`.
 
@@ -294,6 +298,7 @@ def build_train_loader(
         shuffle_buffer=shuffle_buffer,
         on_error=on_error,
         cache_dir=cache_dir,
+        window_order=window_order,
     )
     return _loader(dataset, num_workers, pin_memory)
 

@@ -17,6 +17,57 @@ MIX_CHUNK = 4096
 # Windows read together when the stream is not shuffled (reading granularity only).
 READ_BLOCK = 256
 _MIX_TAG, _SHARD_TAG, _BLOCK_TAG = 0x6D6978, 0x736872, 0x626C6B  # separate the RNG streams
+# How windows are ordered inside a block (data.window_order): "keyed" evaluates a seeded bijection one
+# position at a time; "numpy" (streams begun before it existed) shuffles a whole block with numpy's RNG.
+WINDOW_ORDERS = ("keyed", "numpy")
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijective, well-mixing hash of a 64-bit integer."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def stream_key(*parts: int) -> int:
+    """One 64-bit key from a tuple of integers (seed, tag, source, epoch, block, ...)."""
+    k = 0
+    for part in parts:
+        k = _mix64(((k ^ (int(part) & _M64)) + _GOLDEN) & _M64)
+    return k
+
+
+class KeyedPermutation:
+    """A seeded bijection of range(n), evaluated at one index in O(1): a 4-round Feistel network over the
+    smallest even number of bits that covers n (round function SplitMix64 of the half and a round key),
+    with cycle walking back into range (at most 4x the range, so few rounds on average).
+
+    Why: a rank of a dp-way job reads ~block/dp positions of each block. Shuffling the whole block to
+    find them (numpy's permutation: O(block) work and an RNG construction per block) costs each rank of a
+    large dp a block's shuffle per two samples; this costs a few microseconds per sample, whatever dp."""
+
+    def __init__(self, n: int, key: int):
+        if n < 1:
+            raise ValueError(f"need n >= 1, got {n}")
+        bits = max(2, (n - 1).bit_length())
+        bits += bits & 1
+        self.n, self.half, self.mask = n, bits // 2, (1 << (bits // 2)) - 1
+        self.keys = tuple(key ^ c for c in _ROUND_CONSTANTS)
+
+    def __call__(self, i: int) -> int:
+        h, m, keys = self.half, self.mask, self.keys
+        while True:
+            left, right = i >> h, i & m
+            for k in keys:
+                left, right = right, left ^ (_mix64(right ^ k) & m)
+            i = (left << h) | right
+            if i < self.n:
+                return i
+
+
+_ROUND_CONSTANTS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89)
 
 
 def _quotas(weights: Sequence[float], total: int) -> np.ndarray:
@@ -76,7 +127,9 @@ class SourceSchedule:
     an epoch has N = (T - 1) // L windows; the tail is dropped. Positions p = 0..N-1 of the epoch
     are grouped into blocks of `block` positions; position p shows window
     `block_start + perm_b[p - block_start]` with perm_b a seeded permutation of the block (the
-    identity when not shuffled). Stream index j is position j % N of epoch j // N.
+    identity when not shuffled). `window_order="keyed"`: the shard order and every block's order are
+    `KeyedPermutation`s keyed by (seed, source, epoch[, block]); "numpy" (streams begun before keyed
+    existed): numpy permutations seeded by the same. Stream index j is position j % N of epoch j // N.
     """
 
     def __init__(
@@ -87,7 +140,11 @@ class SourceSchedule:
         source_index: int,
         shuffle_buffer: int,
         shuffle: bool = True,
+        window_order: str = "keyed",
     ):
+        if window_order not in WINDOW_ORDERS:
+            raise ValueError(f"window_order must be one of {WINDOW_ORDERS}, got {window_order!r}")
+        self.window_order = window_order
         self.n_tokens = tuple(int(n) for n in n_tokens)
         self.seq_len = seq_len
         self.total_tokens = sum(self.n_tokens)
@@ -98,13 +155,18 @@ class SourceSchedule:
         self.shuffle_windows = shuffle and shuffle_buffer > 1
         self.block = shuffle_buffer if self.shuffle_windows else READ_BLOCK
         self._perm_key: tuple[int, int] | None = None
+        self._epoch_key: tuple[int, int] = (-1, 0)
 
     def shard_order(self, epoch: int) -> list[int]:
         """Indices of the shards (manifest order) in the order epoch `epoch` reads them."""
-        if not self.shuffle:
-            return list(range(len(self.n_tokens)))
-        rng = np.random.default_rng([self.seed, _SHARD_TAG, self.source_index, epoch])
-        return [int(i) for i in rng.permutation(len(self.n_tokens))]
+        n = len(self.n_tokens)
+        if not self.shuffle or n == 1:
+            return list(range(n))
+        key = (self.seed, _SHARD_TAG, self.source_index, epoch)
+        if self.window_order == "keyed":
+            perm = KeyedPermutation(n, stream_key(*key))
+            return [perm(i) for i in range(n)]
+        return [int(i) for i in np.random.default_rng(list(key)).permutation(n)]
 
     def block_span(self, b: int) -> tuple[int, int]:
         """First window and number of windows of block b."""
@@ -119,7 +181,13 @@ class SourceSchedule:
             return epoch, b, p
         if self._perm_key != (epoch, b):
             first, count = self.block_span(b)
-            rng = np.random.default_rng([self.seed, _BLOCK_TAG, self.source_index, epoch, b])
-            self._perm = first + rng.permutation(count)
+            if self.window_order == "keyed":
+                if self._epoch_key[0] != epoch:  # the per-epoch part of the key, mixed once per epoch
+                    self._epoch_key = (epoch, stream_key(self.seed, _BLOCK_TAG, self.source_index, epoch))
+                self._perm = KeyedPermutation(count, _mix64(self._epoch_key[1] ^ b))
+            else:
+                key = [self.seed, _BLOCK_TAG, self.source_index, epoch, b]
+                self._perm = np.random.default_rng(key).permutation(count)
+            self._first = first
             self._perm_key = (epoch, b)
-        return epoch, b, int(self._perm[i])
+        return epoch, b, self._first + int(self._perm(i) if self.window_order == "keyed" else self._perm[i])

@@ -19,6 +19,8 @@ import json
 
 from ..config import Config
 
+LEGACY_WINDOW_ORDER = "numpy"  # the order of a contract that does not name one
+
 
 class DataContractError(ValueError):
     """A resume would read different data than the checkpoint consumed; the message lists the keys."""
@@ -44,6 +46,7 @@ def data_contract(cfg: Config, sources: list[dict]) -> dict:
         "seq_len": cfg.model.seq_len,
         "seed": cfg.train.seed,
         "shuffle_buffer": d.shuffle_buffer,
+        "window_order": d.window_order,
         "document_masking": d.document_masking,
     }
 
@@ -57,6 +60,10 @@ def differences(old: dict, new: dict) -> list[str]:
     for key in ("tokenizer_sha256", "seq_len", "seed", "shuffle_buffer", "document_masking"):
         if old.get(key) != new.get(key):
             out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    before = old.get("window_order", LEGACY_WINDOW_ORDER)
+    after = new.get("window_order", LEGACY_WINDOW_ORDER)
+    if before != after:
+        out.append(f"data.window_order: {before!r} -> {after!r}")
     old_src, new_src = old.get("sources", []), new.get("sources", [])
     if len(old_src) != len(new_src):
         out.append(
@@ -72,6 +79,17 @@ def differences(old: dict, new: dict) -> list[str]:
         if a["weight"] != b["weight"]:
             out.append(f"sources[{i}].weight: {a['weight']} -> {b['weight']}")
     return out
+
+
+def keep_window_order(saved: dict | None, cfg: Config, contract: dict) -> bool:
+    """A checkpoint whose stream began before ``data.window_order`` existed (its contract has no such key)
+    continues in the order it was read in ("numpy"), unless the config asks for another order than the
+    default: the resume then stays exact without the user knowing the setting. Updates ``cfg`` and
+    ``contract``; True when it did."""
+    if not saved or "window_order" in saved or cfg.data.window_order != "keyed":
+        return False
+    cfg.data.window_order = contract["window_order"] = LEGACY_WINDOW_ORDER
+    return True
 
 
 def check(old: dict | None, new: dict, mode: str, checkpoint: str) -> bool:

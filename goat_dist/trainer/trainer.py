@@ -139,6 +139,9 @@ class Trainer:
         saved = self.checkpoints.load(self.engine, path, self.layout_record())
         self.checkpoints.begin(path, saved["step"])
         self.state.load_state_dict(saved["run_state"])
+        kept = data_contract.keep_window_order(saved.get("data_contract"), self.cfg, self.contract)
+        if kept and self.layout.is_main:
+            print("data.window_order=numpy: the order this run's data stream began with (kept by the resume)")
         restart = data_contract.check(
             saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
         )
