@@ -104,9 +104,10 @@ def loader_tokens_per_s(dataset: Path, seq_len: int, micro_batch: int, workers: 
     return rate
 
 
-def _rchar() -> int:
+def _io(key: str = "rchar") -> int:
+    """This process's read syscall bytes (rchar) or bytes fetched from storage (read_bytes)."""
     with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+        return int(next(line for line in f if line.startswith(key + ":")).split()[1])
 
 
 def per_rank(
@@ -120,10 +121,10 @@ def per_rank(
     )
     it = iter(loader)
     next(it)  # the first shards and their indexes opened
-    before, t0 = _rchar(), time.perf_counter()
+    before, t0 = _io(), time.perf_counter()
     for _ in range(batches):
         next(it)
-    seconds, read = time.perf_counter() - t0, _rchar() - before
+    seconds, read = time.perf_counter() - t0, _io() - before
     del it
     tokens = batches * micro_batch * seq_len
     return tokens / seconds, read / tokens
@@ -145,6 +146,13 @@ def ranks_table(dataset: Path, batches: int, repeats: int) -> None:
         for dp in sizes:
             rate, per_token = best[order, dp]
             print(f"  window_order={order:<6} dp={dp:<30}{rate:>14,.0f}{per_token:>14.3f}")
+    # a tensor- or context-parallel peer reads the windows its replica's first rank just read
+    before = _io("read_bytes")
+    rate, per_token = per_rank(dataset, 8, 2048, 8, batches)
+    print(
+        f"  a TP/CP peer re-reading dp=8 rank 0's windows: {rate:,.0f} tokens/s, "
+        f"{_io('read_bytes') - before:,} bytes fetched from storage (the node's page cache serves it)"
+    )
     for order in ("keyed", "numpy"):
         print(
             f"per rank, window_order={order}: tokens/s dp=512 / dp=1 = "
