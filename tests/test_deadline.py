@@ -182,3 +182,31 @@ def test_config_keys_feed_the_deadline():
     cfg = load_config(None, ["train.stop_at='2027-01-15T08:00:00Z'", "train.time_limit_minutes=30"])
     d = Deadline.from_config(cfg.train, environ={}, now=lambda: NOW)
     assert d.end == min(datetime(2027, 1, 15, 8, tzinfo=timezone.utc).timestamp(), NOW + 1800)
+
+
+def test_a_resumed_attempt_budgets_for_the_last_recorded_save(world1, builtin_cache, tmp_path):
+    """The first attempt's save is measured and noted in checkpoints/save_cost.json; the next attempt's
+    deadline uses it from its first step (not the 10 s first-save guess)."""
+    import json
+
+    from multiproc import in_process_config
+
+    from goat_dist.trainer.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    Trainer(in_process_config(builtin_cache, run_dir, "train.max_steps=2")).fit()
+    cost = json.loads((run_dir / "checkpoints" / "save_cost.json").read_text())
+    assert cost["step"] == 2 and cost["seconds"] > 0 and cost["bytes"] > 0
+    cost["seconds"] = 123.0  # a slow file system's save, as an earlier attempt measured it
+    (run_dir / "checkpoints" / "save_cost.json").write_text(json.dumps(cost))
+    again = Trainer(
+        in_process_config(builtin_cache, run_dir, "train.max_steps=4", "train.time_limit_minutes=60")
+    )
+    again.start_loop()
+    assert again._last_save_s == 123.0
+    assert again.deadline.budget(0.1, again._last_save_s) == pytest.approx(
+        dl.SAFETY * (0.1 + 123.0) + dl.MARGIN_S
+    )
+    fresh = Trainer(in_process_config(builtin_cache, tmp_path / "fresh", "train.max_steps=4"))
+    fresh.start_loop()
+    assert fresh._last_save_s is None  # nothing recorded: the deadline estimates the first save

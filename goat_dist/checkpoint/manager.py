@@ -37,7 +37,7 @@ from ..atomic import atomic_write_text
 from . import lineage, rng, universal
 from .digests import digest, digest_files, listing, raise_everywhere, verify
 from .errors import CheckpointError
-from .names import LATEST, MANIFEST, STALE, STATE, tag_for
+from .names import LATEST, MANIFEST, SAVE_COST, STALE, STATE, tag_for
 from .resume import agree_on_checkpoint
 from .safe_load import load as safe_load
 from .safe_load import safe_loading
@@ -80,6 +80,7 @@ class CheckpointManager:
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
         self.pending: PendingSave | None = None  # an asynchronous save not yet published
         self.last_save_s: float | None = None  # the last published save, start to publish
+        self._published_bytes = 0
         self._buffers = None  # staging.HostBuffers, kept across async saves (pinned memory on CUDA)
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -140,6 +141,7 @@ class CheckpointManager:
         if self.is_main:
             write_manifest(step_dir, {"step": step, "saved_at": time.time()}, files=files)
             atomic_write_text(self.root / LATEST, step_dir.name)
+            self._published_bytes = sum(int(f["bytes"]) for f in files.values())
             lineage.prune(self.root, step_dir.name, self.keep_last)
         dist.barrier()
         self.parent = step_dir.name
@@ -158,6 +160,7 @@ class CheckpointManager:
         dist.barrier()  # every shard is on disk
         self._publish(step_dir, step, {}, "", fault_hook)
         self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
+        self._record_cost(step)
         return step_dir
 
     def save_async(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
@@ -208,7 +211,23 @@ class CheckpointManager:
         finally:
             writer.close()
         self.last_save_s = time.perf_counter() - pending.started
+        self._record_cost(pending.step)
         return pending.step_dir
+
+    def _record_cost(self, step: int) -> None:
+        """Rank 0 notes the published save's seconds and bytes in the run dir, so that the deadline of the
+        next attempt (a requeued job) budgets for it from its first step instead of guessing."""
+        if self.is_main:
+            cost = {"seconds": self.last_save_s, "bytes": self._published_bytes, "step": step}
+            atomic_write_text(self.root / SAVE_COST, json.dumps(cost) + "\n")
+
+    def previous_save_s(self) -> float | None:
+        """The seconds of the last save recorded in this run dir (an earlier attempt's), or None."""
+        try:
+            seconds = json.loads((self.root / SAVE_COST).read_text())["seconds"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
 
     # ---- loading ----------------------------------------------------------------------------------
     def load(self, engine, step_dir: Path, layout: dict) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 LATEST = "latest"
+# the last published save's measured seconds and bytes, for the next attempt's deadline (checkpoints/)
+SAVE_COST = "save_cost.json"
 STALE = "stale"  # where checkpoints outside the current run's lineage are moved (lineage.py)
 
 

@@ -16,9 +16,11 @@ A run can have up to three wall-clock limits; the earliest counts:
 
 with ``SAFETY = 1.5`` (steps and saves vary: eval steps, a loaded file system) and ``MARGIN_S = 15`` s
 (process teardown, writing ``last_exit.json``, the job script's requeue). Checked after every step, this
-leaves room for one more step plus a save, with 50 % to spare. Before the first save of a process the save
-time is estimated from the checkpoint's size (``expect_checkpoint_bytes``; from the model config when
-``from_config`` is given the whole config) at 100 MB/s plus 5 s, and is never taken below 10 s.
+leaves room for one more step plus a save, with 50 % to spare. The save time is the run's last measured
+save: this process's, or before its first one the last save an earlier attempt of the run recorded
+(``checkpoints/save_cost.json``), so a requeued job budgets for its real save from its first step. A run
+with no save yet estimates it from the checkpoint's size (``expect_checkpoint_bytes``; from the model
+config when ``from_config`` is given the whole config) at 100 MB/s plus 5 s, never below 10 s.
 ``GOAT_DEADLINE_SAFETY`` / ``GOAT_DEADLINE_MARGIN_S`` override the two constants.
 """
 

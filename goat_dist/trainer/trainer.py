@@ -436,7 +436,8 @@ class Trainer:
         self._train_loader = train_loader(self.cfg, self.layout, self.sources, start_sample=start)
         self._micro_seen = 0
         self._last_save_time = time.monotonic()
-        self._last_step_s, self._last_save_s = 0.0, None  # no save yet: the deadline estimates one
+        # the deadline budgets for the last save this run dir recorded (an earlier attempt's), else estimates
+        self._last_step_s, self._last_save_s = 0.0, self.checkpoints.previous_save_s()
         self._first_step = self.state.step
         self._saved_step = None
         return iter(self._train_loader)
