@@ -45,8 +45,8 @@ def make_dataset(root: Path, n_docs: int, shard_mb: float, seed: int = 0, max_le
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> Path:
-    """~3 MB of tokens in 1 MB shards."""
-    return make_dataset(tmp_path_factory.mktemp("big"), 1000, 1.0, seed=3)
+    """~6 MB of tokens in 2 MB shards."""
+    return make_dataset(tmp_path_factory.mktemp("big"), 2000, 2.0, seed=3)
 
 
 def batches(loader, n: int) -> list[dict]:
