@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
+import pytest
 import torch
 import yaml
 from multiproc import one_layer_config
@@ -102,3 +105,21 @@ def test_bf16_export_is_the_fp32_masters_with_the_prior_kept_fp32(world1, tmp_pa
             assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], master.bfloat16()), name
         not_bf16_representable += int(not torch.equal(master, master.bfloat16().float()))
     assert not_bf16_representable >= len(masters) // 2  # fp32 masters, not the bf16 forward weights
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002], ids=["022", "002"])
+def test_export_modes_follow_the_umask(world1, tmp_path, mask):
+    """The exported directory and files get the modes a plain mkdir / open would (not mkdtemp's 0700)."""
+    cfg = one_layer_config()
+    torch.manual_seed(0)
+    engine = parallelize(GPT(cfg.model), cfg, grad_accum=1)
+    state = {"step": 0, "run_state": {}, "world": 1, "tp": 1, "dp": 1, "zero_stage": 0}
+    CheckpointManager(tmp_path / "run").save(engine, state, yaml.safe_dump(cfg.to_dict()))
+    old = os.umask(mask)
+    try:
+        out = export(tmp_path / "run", tmp_path / "exported")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~mask, name

@@ -32,8 +32,8 @@ def cmd_inspect(args) -> int:
 def cmd_export(args) -> int:
     from .export import export
 
-    out = export(args.path, args.out, dtype=args.dtype)
-    print(f"exported {args.path} -> {out} ({args.dtype})")
+    out = export(args.path, args.out, dtype=args.dtype, fmt=args.format)
+    print(f"exported {args.path} -> {out} ({args.dtype}, {args.format} format)")
     return 0
 
 
@@ -61,6 +61,12 @@ def register(sub) -> None:
     p.add_argument("path")
     p.add_argument("out")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
+    p.add_argument(
+        "--format",
+        choices=("goat", "hf"),
+        default="goat",
+        help="goat: goat-dist's own layout (generate, eval); hf: a Hugging Face transformers directory",
+    )
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("generate", help="greedy generation from an exported model (CPU smoke path)")
     p.add_argument("--model", required=True, help="a `goat-dist ckpt export` output directory")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -74,10 +75,43 @@ def export_dtype(name: str, target: torch.dtype) -> torch.dtype:
     return torch.float32 if is_prior(name) else target
 
 
-def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
-    """Write ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the model
-    section of the run's config) and, when found, ``out/tokenizer.json``. Atomic: built in a temp dir.
-    The values are the fp32 master weights of the universal state; ``dtype=bf16`` rounds all but the prior."""
+FORMATS = ("goat", "hf")
+
+
+def _umask() -> int:
+    """The process umask; read from /proc where it can be, since setting it to read it races other threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _readable(root: Path) -> None:
+    """Give ``root`` and everything in it the modes a plain mkdir / open would have (the process umask):
+    ``mkdtemp`` makes the directory 0700 for everyone, and an exported model is meant to be shared."""
+    mask = _umask()
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def export(path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "goat") -> Path:
+    """Write the consolidated weights of a checkpoint to ``out``. Atomic: built in a temp dir.
+
+    ``fmt="goat"``: ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the
+    model section of the run's config) and, when found, ``out/tokenizer.json``, for ``load_exported``.
+    ``fmt="hf"``: a Hugging Face directory (``hf_export``): ``LlamaForCausalLM`` for a RoPE model, else
+    a ``trust_remote_code`` model, with the tokenizer files ``AutoTokenizer`` reads.
+    The values are the fp32 master weights of the universal state; ``dtype=bf16`` rounds all but the prior.
+    Files and directory get the process umask's modes, as if written in place."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"export dtype {dtype!r}: expected fp32 or bf16")
     step_dir = resolve_step_dir(path)
     verify(step_dir)
     if not (step_dir / "universal" / "meta.json").is_file():
@@ -91,11 +125,18 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         step = json.loads((step_dir / STATE).read_text())["step"]
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step), "dtype": dtype})
-        (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
+        metadata = {"step": str(step), "dtype": dtype}
         tokenizer = _tokenizer_of(config)
-        if tokenizer is not None:
-            shutil.copy(tokenizer, tmp / TOKENIZER_NAME)
+        if fmt == "hf":
+            from .hf_export import write_hf
+
+            write_hf(tmp, config["model"], tensors, metadata, dtype, tokenizer)
+        else:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+            (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
+            if tokenizer is not None:
+                shutil.copy(tokenizer, tmp / TOKENIZER_NAME)
+        _readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
