@@ -1,8 +1,9 @@
-"""``goat-dist eval ppl|passkey`` and ``goat-dist study``: the command line over ``evaluation``.
+"""``goat-dist eval ppl|passkey|harness`` and ``goat-dist study``: the command line over ``evaluation``.
 
-Both eval commands run as one process or under torchrun (``--tp``, default: the whole world, so
+The eval commands run as one process or under torchrun (``--tp``, default: the whole world, so
 ``torchrun --nproc_per_node=N -m goat_dist eval ...`` evaluates with TP = N). Rank 0 writes
-``<out>/ppl.json`` + ``ppl.png`` or ``<out>/passkey.json`` + ``passkey.png``; ``<out>`` defaults to
+``<out>/ppl.json`` + ``ppl.png``, ``<out>/passkey.json`` + ``passkey.png`` or ``<out>/harness.json``
+(lm-evaluation-harness tasks, see ``harness``); ``<out>`` defaults to
 ``<run_dir>/eval`` (or ``<checkpoint>/eval`` for an export directory).
 """
 
@@ -95,6 +96,43 @@ def cmd_passkey(args) -> int:
     return _run(args, body)
 
 
+def cmd_harness(args) -> int:
+    from .harness import require_lm_eval
+
+    try:
+        require_lm_eval()  # before loading the model: the one error a user can fix without it
+    except EvalError as e:
+        print(f"goat-dist eval harness: {e}", file=sys.stderr)
+        return 2
+
+    def body(session) -> list[str]:
+        from .harness import harness_report, parse_limit, table, write_harness
+
+        report = harness_report(
+            session,
+            args.tasks,
+            limit=parse_limit(args.limit),
+            batch_size=args.batch_size,
+            include_path=args.include_path,
+            num_fewshot=args.num_fewshot,
+            max_length=args.max_length,
+            tokenizer=args.tokenizer,
+            seed=args.seed,
+        )
+        if report is None:  # not rank 0
+            return []
+        return [table(report), f"wrote {write_harness(report, session.out_dir(args.out))}"]
+
+    return _run(args, body)
+
+
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated task names, got {text!r}")
+    return names
+
+
 def cmd_study(args) -> int:
     from .study import StudyError, run_study
 
@@ -105,22 +143,28 @@ def cmd_study(args) -> int:
         return 2
 
 
-def _common(p) -> None:
+def _model(p) -> None:
     p.add_argument(
         "--checkpoint", required=True, help="a run dir, checkpoints/ dir, step_* dir or export dir"
     )
-    p.add_argument("--lengths", type=_ints, required=True, help="comma-separated evaluation lengths")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     p.add_argument(
         "--backend", choices=ATTENTION_BACKENDS, default=None, help="override the attention kernel"
     )
     p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward pass (>= one window)")
     p.add_argument("--out", default=None, help="output directory (default: <run_dir>/eval)")
 
 
+def _common(p) -> None:
+    _model(p)
+    p.add_argument("--lengths", type=_ints, required=True, help="comma-separated evaluation lengths")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward pass (>= one window)")
+
+
 def register(sub) -> None:
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: perplexity vs length, passkey retrieval")
+    ev = sub.add_parser(
+        "eval", help="evaluate a checkpoint: perplexity vs length, passkey retrieval, lm-eval tasks"
+    )
     tasks = ev.add_subparsers(dest="eval", required=True)
     p = tasks.add_parser("ppl", help="perplexity at each length, non-overlapping fresh windows; JSON + PNG")
     _common(p)
@@ -134,6 +178,19 @@ def register(sub) -> None:
     p.add_argument("--samples", type=int, default=20, help="samples per (length, depth) cell")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_passkey)
+    p = tasks.add_parser("harness", help="lm-evaluation-harness tasks (needs goat-dist[eval]); JSON + table")
+    _model(p)
+    p.add_argument("--tasks", type=_names, required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--limit", default=None, help="examples per task (a fraction of each task if < 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--include-path", default=None, help="a directory of extra lm-eval task YAML files")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    p.add_argument(
+        "--max-length", type=int, default=None, help="context in tokens (default: training length)"
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's data set's)")
+    p.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling)")
+    p.set_defaults(func=cmd_harness)
     p = sub.add_parser("study", help="train and evaluate the position schemes of a study config")
     p.add_argument("config", help="e.g. configs/study/extrapolation.yaml")
     p.add_argument("--force", action="store_true", help="retrain runs that already finished")

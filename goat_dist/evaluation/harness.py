@@ -1,0 +1,326 @@
+"""``goat-dist eval harness``: lm-evaluation-harness tasks on a goat-dist checkpoint.
+
+lm-eval asks a model three kinds of question through its ``LM`` API: the log-likelihood of a continuation
+given a context (multiple choice and cloze tasks), the rolling log-likelihood of a whole text (perplexity
+tasks) and greedy generation until a stop string (generative tasks). ``Scorer`` answers them with the
+model a ``Session`` loaded (the checkpoint forms of ``eval ppl``) and the tokenizer of the data the run
+trained on; ``lm_class`` wraps it in lm-eval's ``TemplateLM``, so every lm-eval task, built in or a local
+YAML file (``--include-path``), scores a checkpoint the way it scores a Hugging Face model.
+
+lm-eval is optional (``goat-dist[eval]``) and imported only when the command runs.
+
+Tensor parallelism: lm-eval sees one process; every rank runs every request (the TP ranks each hold a
+vocabulary slice, gathered before the softmax) and rank 0 writes the report.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from . import EvalError
+
+MISSING = "lm-eval is not installed: pip install 'goat-dist[eval]'"
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def require_lm_eval():
+    """The ``lm_eval`` module, or the error that says how to install it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise EvalError(MISSING) from None
+    return lm_eval
+
+
+def find_tokenizer(loaded, is_main: bool, explicit: str | None = None) -> tuple[Path, int]:
+    """(tokenizer.json, end-of-text id) of the data the checkpoint's run trained on: an export's own copy,
+    the builtin corpus (prepared again if its cache is gone) or the prepared data directory of
+    ``data.source`` / ``data.sources``. The id is the data manifest's ``eos_id`` when there is one."""
+    from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME
+    from data_tools.tokenizer import choose_eos, load_tokenizer
+
+    candidates = []  # (tokenizer file, manifest file or None)
+    if explicit:
+        candidates.append((Path(explicit).expanduser(), None))
+    else:
+        candidates.append((Path(loaded.source) / TOKENIZER_NAME, None))
+        data = (loaded.run_config or {}).get("data") or {}
+        dirs = []
+        if data.get("synthetic"):
+            pass  # synthetic token streams have no text tokenizer
+        elif data.get("sources"):
+            dirs = [
+                Path(s["path"]).expanduser() for s in data["sources"] if isinstance(s, dict) and "path" in s
+            ]
+        elif data.get("source") == "builtin":
+            from .session import builtin_data
+
+            dirs = [Path(builtin_data(loaded, is_main))]
+        elif data.get("source"):
+            dirs = [Path(data["source"]).expanduser()]
+        for d in dirs:
+            manifest = d / MANIFEST_NAME
+            name = TOKENIZER_NAME
+            if manifest.is_file():
+                name = json.loads(manifest.read_text()).get("tokenizer") or TOKENIZER_NAME
+            candidates.append((d / name, manifest if manifest.is_file() else None))
+    for path, manifest in candidates:
+        if not path.is_file():
+            continue
+        tok = load_tokenizer(path)
+        eos = json.loads(manifest.read_text()).get("eos_id") if manifest else None
+        return path, int(eos) if eos is not None else choose_eos(tok, path)[1]
+    looked = ", ".join(str(p) for p, _ in candidates)
+    raise EvalError(
+        f"{loaded.source}: no tokenizer file found (looked at {looked}); pass --tokenizer "
+        "PATH/tokenizer.json (the tokenizer the run's data was prepared with)"
+    )
+
+
+class Scorer:
+    """Log-likelihoods and greedy continuations of token sequences under the loaded model, in fp32 (or the
+    session's autocast), batched ``batch_size`` sequences at a time, right-padded (the model is causal, so
+    padding after a sequence changes none of its logits)."""
+
+    def __init__(self, session, tokenizer_path: Path, eos_id: int, max_length: int, batch_size: int):
+        from data_tools.tokenizer import load_tokenizer
+
+        from .perplexity import check_length
+
+        check_length(session.loaded.cfg, max_length)
+        if batch_size < 1:
+            raise EvalError(f"--batch-size must be >= 1, got {batch_size}")
+        self.session, self.model = session, session.model
+        self.tokenizer_path = Path(tokenizer_path)
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.eos_id, self.max_length, self.batch_size = eos_id, max_length, batch_size
+        if self.tokenizer.get_vocab_size() > self.model.vocab_size:
+            raise EvalError(
+                f"tokenizer {tokenizer_path} has {self.tokenizer.get_vocab_size()} tokens, the model "
+                f"{self.model.vocab_size}: not the tokenizer this checkpoint was trained with"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @torch.no_grad()
+    def log_probs(self, rows: list[list[int]]) -> torch.Tensor:
+        """(len(rows), longest, vocab) log-probabilities on the CPU; rows past their length are padding."""
+        from .passkey import full_vocab
+
+        width = max(len(r) for r in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        positions = torch.arange(width).expand_as(tokens)
+        device = self.session.device
+        with self.session.autocast():
+            logits = self.model(tokens.to(device), positions.to(device))
+        logits = full_vocab(logits.float())[..., : self.model.vocab_size]
+        return torch.log_softmax(logits, dim=-1).cpu()
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether greedy decoding yields the continuation) per
+        (context ids, continuation ids). Context beyond ``max_length`` is cut from the left."""
+        out: list[tuple[float, bool] | None] = [None] * len(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        order = [i for i in order if pairs[i][1]]
+        for i in range(len(pairs)):
+            if not pairs[i][1]:
+                out[i] = (0.0, True)  # an empty continuation has probability one
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            rows = []
+            for i in batch:
+                context, continuation = pairs[i]
+                whole = ((context or [self.eos_id]) + continuation)[-(self.max_length + 1) :]
+                rows.append(whole[:-1])
+            lp = self.log_probs(rows)
+            for k, i in enumerate(batch):
+                n = len(rows[k])
+                continuation = pairs[i][1][-n:]
+                target = torch.tensor(continuation, dtype=torch.long)
+                window = lp[k, n - len(continuation) : n]
+                logprob = float(window.gather(-1, target[:, None]).sum())
+                out[i] = (logprob, bool((window.argmax(-1) == target).all()))
+        return out
+
+    def rolling(self, text: str) -> float:
+        """Log-likelihood of all of ``text``: disjoint windows of ``max_length`` tokens, the first after the
+        end-of-text token (lm-eval's ``get_rolling_token_windows`` with one token of context)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows = get_rolling_token_windows(self.encode(text), self.eos_id, self.max_length, 1)
+        return sum(lp for lp, _ in self.score([make_disjoint_window(w) for w in windows]))
+
+    def generate(self, context: str, gen_kwargs: dict) -> str:
+        """Greedy continuation of ``context`` up to the first ``until`` string (cut before it), the
+        end-of-text token or ``max_gen_toks`` tokens. Re-runs the whole window per token: no KV cache."""
+        kwargs = dict(gen_kwargs or {})
+        if kwargs.get("do_sample"):
+            raise EvalError(f"eval harness decodes greedily only; the task asks for sampling: {gen_kwargs}")
+        until = kwargs.get("until") or [self.decode([self.eos_id])]
+        until = [until] if isinstance(until, str) else [s for s in until if s]
+        max_gen = int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+        ids = self.encode(context) or [self.eos_id]
+        new: list[int] = []
+        text = ""
+        for _ in range(max_gen):
+            window = (ids + new)[-self.max_length :]
+            token = int(self.log_probs([window])[0, -1].argmax())
+            if token == self.eos_id:
+                break
+            new.append(token)
+            text = self.decode(new)
+            hits = [text.index(s) for s in until if s in text]
+            if hits:
+                return text[: min(hits)]
+        return text
+
+
+@functools.cache
+def lm_class():
+    """lm-eval's model API over a ``Scorer`` (a function, so that lm-eval is imported only when used)."""
+    from lm_eval.api.model import TemplateLM
+
+    class GoatHarnessLM(TemplateLM):
+        """A goat-dist checkpoint as an lm-eval model: ``TemplateLM`` tokenizes (context, continuation)
+        pairs the Hugging Face way, ``Scorer`` computes."""
+
+        def __init__(self, scorer: Scorer):
+            super().__init__()
+            self.scorer = scorer
+
+        @property
+        def eot_token_id(self) -> int:
+            return self.scorer.eos_id
+
+        @property
+        def max_length(self) -> int:
+            return self.scorer.max_length
+
+        @property
+        def tokenizer_name(self) -> str:
+            return str(self.scorer.tokenizer_path)
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+            return self.scorer.encode(string)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            answers = self.scorer.score([(context, continuation) for _, context, continuation in requests])
+            for (strings, _, _), answer in zip(requests, answers):
+                self.cache_hook.add_partial("loglikelihood", strings, answer)
+            return answers
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            answers = [self.scorer.rolling(r.args[0]) for r in requests]
+            for r, answer in zip(requests, answers):
+                self.cache_hook.add_partial("loglikelihood_rolling", (r.args[0],), answer)
+            return answers
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            answers = [self.scorer.generate(*r.args) for r in requests]
+            for r, answer in zip(requests, answers):
+                self.cache_hook.add_partial("generate_until", r.args, answer)
+            return answers
+
+    return GoatHarnessLM
+
+
+def parse_limit(text: str | None) -> int | float | None:
+    """lm-eval's --limit: a count of examples per task, or a fraction of each task below 1."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise EvalError(f"--limit must be a number, got {text!r}") from None
+    if value <= 0:
+        raise EvalError(f"--limit must be > 0, got {text!r}")
+    return value if value < 1 else int(value)
+
+
+def harness_report(
+    session,
+    tasks: list[str],
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    max_length: int | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> dict | None:
+    """Run lm-eval's ``simple_evaluate`` on ``tasks`` with the session's model; a JSON-ready dict on rank 0
+    (None elsewhere: every rank runs the model, lm-eval aggregates on rank 0)."""
+    lm_eval = require_lm_eval()
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    if include_path and not Path(include_path).is_dir():
+        raise EvalError(f"--include-path {include_path}: not a directory of lm-eval task YAML files")
+    manager = TaskManager(include_path=include_path)
+    known = set(manager.all_tasks)
+    unknown = [t for t in tasks if t not in known and not Path(t).is_file() and not manager.match_tasks([t])]
+    if unknown:
+        where = f" in {include_path} or" if include_path else ""
+        raise EvalError(
+            f"unknown lm-eval task(s) {', '.join(unknown)}: not found{where} among lm-eval's own tasks "
+            "(--include-path DIR adds a directory of task YAML files)"
+        )
+    path, eos = find_tokenizer(session.loaded, session.layout.is_main, tokenizer)
+    scorer = Scorer(session, path, eos, max_length or session.loaded.cfg.seq_len, batch_size)
+    results = lm_eval.simple_evaluate(
+        model=lm_class()(scorer),
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    if results is None:  # lm-eval aggregates on global rank 0 only
+        return None
+    keep = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples")
+    report = {
+        "task": "harness",
+        **session.describe(),
+        "tokenizer": str(path),
+        "eos_id": eos,
+        "max_length": scorer.max_length,
+        "lm_eval_version": getattr(lm_eval, "__version__", None),
+        "tasks": tasks,
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "include_path": include_path,
+        **{k: results[k] for k in keep if k in results},
+        "configs": results.get("configs"),
+    }
+    return json.loads(json.dumps(report, default=handle_non_serializable))
+
+
+def table(report: dict) -> str:
+    """lm-eval's own results table (markdown), groups after tasks."""
+    from lm_eval.utils import make_table
+
+    text = make_table(report)
+    if report.get("groups"):
+        text += "\n" + make_table(report, "groups")
+    return text.rstrip()
+
+
+def write_harness(report: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "harness.json"
+    path.write_text(json.dumps(report, indent=1))
+    return path
