@@ -1,8 +1,11 @@
-"""Load an exported model (``goat-dist ckpt export``) on one process, and greedy generation.
+"""Load an exported model (``goat-dist ckpt export``) on one process, and generate text from it.
 
 from goat_dist.inference import load_exported, generate
 model, tokenizer = load_exported("exported/")
-print(generate(model, tokenizer, "def fibonacci(n):", max_new_tokens=40))
+print(generate(model, tokenizer, "def fibonacci(n):", max_new_tokens=40))  # greedy, KV-cached
+print(generate(model, tokenizer, "def", max_new_tokens=40, temperature=0.8, top_p=0.95, seed=1))
+
+The KV cache and sampling live in ``goat_dist.generation``.
 """
 
 from __future__ import annotations
@@ -46,14 +49,48 @@ def load_exported(path: str | Path, dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
-@torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 50) -> str:
-    """Greedy decoding (the whole sequence re-run per token: a smoke path, not a server)."""
-    ids = tokenizer.encode(prompt).ids or [0]
-    vocab = model.vocab_size
-    for _ in range(max_new_tokens):
-        window = ids[-model.cfg.seq_len :]
-        tokens = torch.tensor([window])
-        logits = model(tokens, torch.arange(len(window))[None])[0, -1, :vocab]
-        ids.append(int(logits.argmax()))
-    return tokenizer.decode(ids)
+def tokenizer_eos(tokenizer) -> int | None:
+    """The id generation stops at: the end-of-text token the tokenizer declares (None if it has none)."""
+    from data_tools.tokenizer import find_eos_token
+
+    token = find_eos_token(tokenizer)
+    return None if token is None else tokenizer.token_to_id(token)
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 50,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    result: bool = False,
+):
+    """Prompt + continuation as text: greedy at ``temperature`` 0, else sampled (``top_k``, ``top_p``);
+    stops at the tokenizer's end-of-text token. ``seed`` (or a CPU ``generator``, shared across calls)
+    makes sampling reproducible. An empty prompt starts from end-of-text, where training documents
+    start. ``result``: return ``(text, generation.Generation)`` for its token ids and timing."""
+    from .generation import generate_ids
+
+    eos = tokenizer_eos(tokenizer)
+    ids = tokenizer.encode(prompt).ids or [0 if eos is None else eos]
+    if generator is None and seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    out = generate_ids(
+        model,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_id=eos,
+        use_cache=use_cache,
+    )
+    text = tokenizer.decode(out.ids)
+    return (text, out) if result else text

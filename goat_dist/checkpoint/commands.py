@@ -37,14 +37,71 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _prompts(args) -> list[str]:
+    """The --prompt, or the non-blank lines of --prompts-file (ValueError naming the flag)."""
+    from pathlib import Path
+
+    if args.prompts_file is None:
+        return [args.prompt]
+    try:
+        lines = Path(args.prompts_file).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from e
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts-file {args.prompts_file} has no prompt (one per line)")
+    return prompts
+
+
 def cmd_generate(args) -> int:
+    """Prompts run one after another, each with its own KV cache (no padding, so a batch of one gives
+    the same tokens as a lone prompt); tokens/s (new tokens / generation seconds) goes to stderr."""
+    import torch
+
+    from ..generation import check_sampling
     from ..inference import generate, load_exported
 
-    model, tokenizer = load_exported(args.model)
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+        prompts = _prompts(args)
+    except ValueError as e:
+        print(f"goat-dist generate: {e}", file=sys.stderr)
+        return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model, tokenizer = load_exported(args.model, dtype=dtype)
     if tokenizer is None:
         print(f"goat-dist generate: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
-    print(generate(model, tokenizer, args.prompt, args.max_new_tokens))
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    new_tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        try:
+            text, out = generate(
+                model,
+                tokenizer,
+                prompt,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                generator=generator,
+                use_cache=not args.no_cache,
+                result=True,
+            )
+        except ValueError as e:
+            print(f"goat-dist generate: {e}", file=sys.stderr)
+            return 2
+        new_tokens, seconds = new_tokens + len(out.new), seconds + out.seconds
+        if args.prompts_file is None:
+            print(text)
+        else:  # one line per prompt, whatever newlines the text holds
+            print(json.dumps({"prompt": prompt, "text": text}), flush=True)
+    mode = "no cache" if args.no_cache else "KV cache"
+    print(
+        f"goat-dist generate: {new_tokens} new tokens in {seconds:.2f} s: "
+        f"{new_tokens / max(seconds, 1e-9):.1f} tokens/s ({mode}, {args.dtype})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -68,10 +125,26 @@ def register(sub) -> None:
         help="goat: goat-dist's own layout (generate, eval); hf: a Hugging Face transformers directory",
     )
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("generate", help="greedy generation from an exported model (CPU smoke path)")
+    p = sub.add_parser(
+        "generate", help="text from an exported model: KV-cached, greedy or sampled (one process)"
+    )
     p.add_argument("--model", required=True, help="a `goat-dist ckpt export` output directory")
-    p.add_argument("--prompt", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument(
+        "--prompts-file",
+        help="one prompt per line (blank lines skipped), run one after another; prints one JSON line "
+        '{"prompt", "text"} per prompt',
+    )
     p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of this mass")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (reproducible)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32", help="compute dtype")
+    p.add_argument(
+        "--no-cache", action="store_true", help="re-run the whole sequence per token (slow; for checks)"
+    )
     p.set_defaults(func=cmd_generate)
 
 
