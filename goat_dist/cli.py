@@ -1,6 +1,7 @@
 """``goat-dist`` command line: ``goat-dist train [--config FILE] [section.key=value ...]``.
 
-``torchrun --nproc_per_node=N -m goat_dist train ...`` is the distributed form of the same command.
+``torchrun --nproc_per_node=N -m goat_dist train ...`` (or ``goat-dist train --nproc N ...``) is the
+distributed form of the same command.
 """
 
 from __future__ import annotations
@@ -29,23 +30,30 @@ def _select_accelerator() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train; errors of the user's (config, data, checkpoint, layout) print once, from rank 0, and exit 2
+    (``trainer.entry.report_user_error``). ``--nproc N`` starts the local torchrun world itself."""
     from .config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"goat-dist train: {e}", file=sys.stderr)
-        return 2
+        from .trainer.entry import report_user_error
+
+        return report_user_error(e)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from .launcher import run_world
+
+        given = ["--config", args.config] if args.config else []
+        return run_world(args.nproc, ["-m", "goat_dist", "train", *given, *args.overrides])
     from .distributed import exit_process
     from .trainer import run
-    from .trainer.entry import USER_ERRORS, exit_code_for
+    from .trainer.entry import USER_ERRORS, report_user_error
     from .trainer.signals import EXIT_CHECKPOINTED
 
     try:
         state = run(cfg)
     except USER_ERRORS as e:
-        print(f"goat-dist train: {e}", file=sys.stderr)
-        exit_process(exit_code_for(e))
+        exit_process(report_user_error(e, cfg.run_dir))
     # deterministic teardown; never returns. A run stopped by a signal exits EXIT_CHECKPOINTED (75).
     exit_process(EXIT_CHECKPOINTED if state.stop_requested else 0)
 
@@ -57,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: the tiny GOAT model on the builtin corpus)")
     add_config_arguments(train)
+    train.add_argument(
+        "--nproc", type=int, default=1, help="processes on this machine (goat-dist starts torchrun itself)"
+    )
     train.set_defaults(func=cmd_train)
     from data_tools.cli import register as register_data
 

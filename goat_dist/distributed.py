@@ -82,6 +82,26 @@ def check_layout(
         raise LayoutError("impossible parallel layout: " + "; ".join(problems))
 
 
+def check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
+    """Reject a global batch that ``micro_batch`` x ``dp`` does not divide, naming the sizes that work: the
+    largest micro-batch size up to the given one that divides it, else the nearest global batch sizes."""
+    per_step = micro_batch * dp
+    if global_batch % per_step == 0:
+        return
+    what = (
+        f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size={micro_batch} "
+        f"x data-parallel size {dp} = {per_step}"
+    )
+    fits = [m for m in range(min(micro_batch, global_batch // dp), 0, -1) if global_batch % (m * dp) == 0]
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    batches = " or ".join(f"train.global_batch_size={b}" for b in (lower, upper) if b > 0)
+    if fits:
+        fix = f"set train.micro_batch_size={fits[0]} (the largest that divides it), or {batches}"
+    else:
+        fix = f"set {batches} (a multiple of {per_step})"
+    raise LayoutError(f"impossible batch layout: {what}; {fix}")
+
+
 def backend_for(cuda: bool) -> str:
     """The process-group backend: gloo on CPU; on CUDA, NCCL for device tensors AND gloo for CPU tensors.
 

@@ -7,6 +7,7 @@ accelerator instead of guessing. Arguments are passed as lists, never through a 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -58,3 +59,49 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
         f"--master_port={free_port()}",
         *args,
     ]
+
+
+# the exit codes a worker uses on purpose (a usage error, a checkpointed stop): passed on as they are
+PASSED_ON = {2, 75}
+
+
+def run_world(nproc: int, args: list[str]) -> int:
+    """Run ``python <args>`` as a local world of ``nproc`` processes (torchrun's agent, in this process)
+    and return an exit code the caller can act on.
+
+    The command-line torchrun turns every worker failure into exit 1 plus a ChildFailedError traceback;
+    here a failure whose first worker exited 2 (an error of the user's, already printed once by rank 0)
+    or 75 (checkpointed) exits with that code and nothing more; any other failure is named in one line."""
+    if nproc == 1:
+        import subprocess
+
+        return subprocess.call([sys.executable, *args], env=child_env())
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    os.environ.update({k: v for k, v in child_env().items() if k not in os.environ})
+    for var in LAUNCHER_VARS & set(os.environ):
+        del os.environ[var]
+    config, cmd, cmd_args = config_from_args(
+        parse_args(
+            [
+                f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}",
+                "--no-python",
+                sys.executable,
+                *args,
+            ]
+        )
+    )
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    agent_log.setLevel(logging.CRITICAL)  # its lines restate a failure the worker already explained
+    try:
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode in PASSED_ON:
+            return failure.exitcode
+        print(f"goat-dist: rank {rank} of {nproc} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0

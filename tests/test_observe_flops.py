@@ -99,3 +99,34 @@ def test_override_wins_and_cpu_probe_runs_once(tmp_path, monkeypatch):
 def test_matmul_probe_measures_something_plausible():
     measured = peak.measure_matmul_flops(n=256, seconds=0.05)
     assert 1e8 < measured < 1e14
+
+
+def test_mfu_over_100_percent_is_capped_and_marked_unreliable():
+    from goat_dist.observe.step_metrics import mfu_metrics, mfu_text
+
+    assert mfu_metrics(5e10, 1e11) == {"mfu": 0.5}
+    over = mfu_metrics(1.229e11, 1e11)  # the probe ran on a busy machine
+    assert over["mfu"] == 1.0 and over["mfu_raw"] == pytest.approx(1.229) and over["mfu_unreliable"]
+    assert mfu_text(over) == " (MFU >100%: peak estimate unreliable)"
+    assert mfu_text({"mfu": 0.5}) == " (MFU 50.0%)" and mfu_text({}) == ""
+
+
+def test_measured_peak_below_the_achieved_rate_is_probed_once_more(tmp_path, monkeypatch):
+    """A stand-in probe: 1e11 FLOP/s cached under load, 2e11 on the second probe, then never again."""
+    from types import SimpleNamespace
+
+    from goat_dist.observe.step_metrics import StepMetrics
+
+    probes = iter([1e11, 2e11])
+    calls = []
+    monkeypatch.setattr(peak, "measure_matmul_flops", lambda dtype: calls.append(dtype) or next(probes))
+    metrics = StepMetrics.__new__(StepMetrics)
+    metrics.cfg = SimpleNamespace(
+        train=SimpleNamespace(precision="fp32"), data=SimpleNamespace(cache_dir=tmp_path)
+    )
+    metrics.layout = SimpleNamespace(device=torch.device("cpu"))
+    metrics.peak, metrics.peak_source = peak.peak_flops(torch.device("cpu"), "fp32", 0.0, tmp_path)
+    metrics.reprobed = False
+    assert metrics.mfu(1.5e11) == {"mfu": pytest.approx(0.75)}  # re-probed: 2e11
+    assert metrics.mfu(3e11)["mfu_unreliable"] and len(calls) == 2  # still over: capped, no third probe
+    assert list(json.loads((tmp_path / "peak_flops.json").read_text()).values()) == [2e11]

@@ -58,11 +58,11 @@ def test_list_metrics_expand_to_one_tag_per_element():
         "flag": True,
     }
     assert tags.scalars(metrics, tags.TRAIN_TAGS) == [
-        ("train/loss", 2.5),
+        ("loss/train", 2.5),
         ("mem/rank_0/peak_gib", 1.0),
         ("mem/rank_1/peak_gib", 2.0),
     ]
-    assert tags.scalars(metrics, tags.EVAL_TAGS) == [("attn/layer_0/entropy", 0.1)]
+    assert tags.scalars(metrics, tags.EVAL_TAGS) == [("val/attn/layer_0/entropy", 0.1)]
     assert math.isnan(tags.scalars({"loss": float("nan")}, tags.TRAIN_TAGS)[0][1])
 
 
@@ -84,3 +84,14 @@ def test_epoch_counts_passes_over_the_most_repeated_source():
     assert m.epoch(800) == pytest.approx(2.0)  # source 1 gets a quarter: 200 samples of its 100 windows
     Dataset.windows_per_epoch = None  # a generated source: no epochs
     assert StepMetrics(Config(), None, layout, Dataset()).epoch(800) == 0.0
+
+
+def test_losses_sort_before_every_other_tag():
+    """TensorBoard sorts card groups and cards by tag name: the losses open the dashboard."""
+    every = [
+        tag.format(i=0)
+        for table in (tags.TRAIN_TAGS, tags.EVAL_TAGS, tags.PRIOR_TAGS)
+        for tag in table.values()
+    ]
+    assert sorted(every)[:2] == ["loss/train", "loss/val"]
+    assert {tag.split("/")[0] for tag in every} == {"loss", "mem", "perf", "train", "val"}

@@ -94,3 +94,27 @@ def test_curves_show_the_prior_extrapolating_smoothly():
     bound = prior.lambda_sym.abs().sum(-1) + prior.lambda_asym.abs().sum(-1)
     assert (curves.abs() <= bound[:, None].detach() + 1e-5).all()
     assert not math.isclose(float(curves[:, 17:].std()), 0.0)
+
+
+def test_curves_picture_keeps_its_labels_and_splits_eight_heads(tmp_path):
+    """The rendered PNG: every label inside the page, and 8 heads in two rows of 4 (one band otherwise)."""
+    from matplotlib.image import imread
+
+    from goat_dist.observe.figures import prior_curves_figure, save_png
+
+    d = np.arange(0, 401, dtype=float)
+    rng = np.random.default_rng(0)
+    k_rel = -12.5 + 0.01 * rng.normal(size=(8, d.size))  # long tick labels ("-12.52") push the y-label out
+    curves = {"distance": d, "k_rel": k_rel, "sink": rng.normal(size=(8, d.size))}
+    curves["slope"] = rng.normal(size=8)
+    fig = prior_curves_figure(curves, list(range(8)), 100, "layer 0")
+    png = imread(save_png(fig, tmp_path / "curves.png"))
+    assert png.shape[:2] == (round(fig.bbox.height), round(fig.bbox.width))
+    assert len(fig.axes) == 4 and all(len(ax.get_lines()) == 4 + 1 for ax in fig.axes)  # + the dashed line
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    for ax in fig.axes:
+        for text in (ax.yaxis.label, ax.xaxis.label, ax.title, *ax.get_yticklabels()):
+            if text.get_text():
+                box = text.get_window_extent(renderer)
+                assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1

@@ -11,13 +11,14 @@ pytestmark = pytest.mark.slow
 TB_RUN = ["train.max_steps=30", "log.interval=5", "log.tensorboard=true", "log.prior_interval=10",
           "train.eval_interval=15", "train.eval_batches=2"]  # fmt: skip
 SCALARS = [
-    "train/loss", "train/lr", "train/grad_norm", "train/params_norm",
+    "loss/train", "train/lr", "train/grad_norm", "train/params_norm",
     "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu", "perf/step_time_s", "perf/prior_s",
     "mem/rank_0/allocated_gib", "mem/rank_0/peak_gib", "mem/rank_0/host_rss_gib",
-    "data/tokens_seen", "data/epoch", "data/skipped_samples", "data/nonfinite_skipped_steps",
-    "val/loss", "val/ppl",
-    "attn/layer_0/sink_mass", "attn/layer_1/sink_mass", "attn/layer_0/entropy", "attn/layer_1/entropy",
-    "attn/layer_0/local_mass", "attn/layer_1/local_mass",
+    "train/tokens_seen", "train/epoch", "train/skipped_samples", "train/nonfinite_skipped_steps",
+    "loss/val", "val/ppl",
+    "val/attn/layer_0/sink_mass", "val/attn/layer_1/sink_mass",
+    "val/attn/layer_0/entropy", "val/attn/layer_1/entropy",
+    "val/attn/layer_0/local_mass", "val/attn/layer_1/local_mass",
 ]  # fmt: skip
 
 
@@ -44,6 +45,7 @@ def test_every_tag_prior_pictures_and_run_text(tb_run):
     acc = events(tb_run)
     tags = acc.Tags()
     assert sorted(set(SCALARS) - set(tags["scalars"])) == []
+    assert sorted(tags["scalars"])[:2] == ["loss/train", "loss/val"]  # TensorBoard opens on the losses
     assert {f"prior/layer_{i}/{k}" for i in (0, 1) for k in ("curves", "log_prior")} <= set(tags["images"])
     image = acc.Images("prior/layer_1/curves")
     assert [e.step for e in image] == [10, 20, 30] and image[0].width > 400 and image[0].height > 200
@@ -59,12 +61,12 @@ def test_tensorboard_and_metrics_jsonl_agree(tb_run):
     logged = [r for r in recs if "loss" in r]
     assert [r["step"] for r in logged] == [1, 5, 10, 15, 20, 25, 30]
     pairs = {
-        "train/loss": "loss",
+        "loss/train": "loss",
         "train/params_norm": "params_norm",
         "perf/mfu": "mfu",
-        "data/epoch": "epoch",
+        "train/epoch": "epoch",
         "perf/step_time_s": "step_time_s",
-        "data/tokens_seen": "consumed_tokens",
+        "train/tokens_seen": "consumed_tokens",
     }
     for tag, key in pairs.items():
         tb = series(acc, tag)
@@ -75,25 +77,25 @@ def test_tensorboard_and_metrics_jsonl_agree(tb_run):
     evals = [r for r in recs if "val_loss" in r]
     assert [r["step"] for r in evals] == [15, 30]
     assert series(acc, "val/ppl")[30] == pytest.approx(evals[-1]["val_ppl"], rel=1e-6)
-    assert series(acc, "attn/layer_1/entropy")[15] == pytest.approx(evals[0]["attn_entropy"][1], rel=1e-5)
+    assert series(acc, "val/attn/layer_1/entropy")[15] == pytest.approx(evals[0]["attn_entropy"][1], rel=1e-5)
     priors = [r for r in recs if r.get("event") == "prior"]
     assert [r["step"] for r in priors] == [10, 20, 30] and all(r["seconds"] > 0 for r in priors)
 
 
 def test_values_make_sense(tb_run):
     acc, logged = events(tb_run), [r for r in records(tb_run) if "loss" in r]
-    assert series(acc, "data/tokens_seen")[30] == 30 * 8 * 64  # TINY: 8 sequences of 64 per step
-    assert series(acc, "data/skipped_samples")[30] == 0 and series(acc, "data/epoch")[30] > 0
+    assert series(acc, "train/tokens_seen")[30] == 30 * 8 * 64  # TINY: 8 sequences of 64 per step
+    assert series(acc, "train/skipped_samples")[30] == 0 and series(acc, "train/epoch")[30] > 0
     assert all(r["params_norm"] > 1 and 0 < r["mfu"] and r["tflops_per_device"] > 0 for r in logged)
     assert logged[-1]["params_norm"] != logged[0]["params_norm"]
-    assert series(acc, "val/ppl")[30] == pytest.approx(2.718281828 ** series(acc, "val/loss")[30], rel=1e-4)
+    assert series(acc, "val/ppl")[30] == pytest.approx(2.718281828 ** series(acc, "loss/val")[30], rel=1e-4)
     for layer in (0, 1):
         sink, local = (
-            series(acc, f"attn/layer_{layer}/sink_mass")[30],
-            series(acc, f"attn/layer_{layer}/local_mass")[30],
+            series(acc, f"val/attn/layer_{layer}/sink_mass")[30],
+            series(acc, f"val/attn/layer_{layer}/local_mass")[30],
         )
         assert 0 < sink < 1 and 0 < local <= 1
-        assert 0 < series(acc, f"attn/layer_{layer}/entropy")[30] < 4.2  # below log(64 keys), above 0
+        assert 0 < series(acc, f"val/attn/layer_{layer}/entropy")[30] < 4.2  # below log(64 keys), above 0
 
 
 def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_path, builtin_cache):
@@ -120,7 +122,7 @@ def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_pat
             assert r["params_norm"] == pytest.approx(single[r["step"]]["params_norm"], rel=1e-5)
         assert len(r["mem_peak_gib"]) == 2
     acc = events(run_dir)
-    assert {"mem/rank_1/host_rss_gib", "attn/layer_1/sink_mass", "prior/layer_1/log_prior"} <= set(
+    assert {"mem/rank_1/host_rss_gib", "val/attn/layer_1/sink_mass", "prior/layer_1/log_prior"} <= set(
         acc.Tags()["scalars"] + acc.Tags()["images"]
     )
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1

@@ -38,27 +38,43 @@ def _legend(ax, n: int) -> None:
     ax.legend(fontsize=6 if n > 4 else 8, ncol=2 if n > 6 else 1, loc="best")
 
 
+HEADS_PER_PANEL = 4  # more curves in one panel merge into a band where K_rel(d) flattens out
+
+
+def head_groups(heads: list[int], size: int = HEADS_PER_PANEL) -> list[list[int]]:
+    """Consecutive groups of at most ``size`` heads, one row of panels each."""
+    return [heads[i : i + size] for i in range(0, len(heads), size)] or [[]]
+
+
 def prior_curves_figure(curves: dict, heads: list[int], train_len: int, title: str):
-    """K_rel(d) over distance (beyond the training length) and the sink lane u(j) over key position."""
-    fig = new_figure(10, 3.6)
-    left, right = fig.subplots(1, 2)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.14, top=0.9, wspace=0.22)
+    """K_rel(d) over distance (beyond the training length) and the sink lane u(j) over key position; one
+    row of panels per group of ``HEADS_PER_PANEL`` heads, laid out tight so no label is cut off."""
+    groups = head_groups(heads)
+    fig = new_figure(10, 3.0 * len(groups) + 0.6)
+    axes = np.atleast_2d(fig.subplots(len(groups), 2, squeeze=False))
     d = curves["distance"]
-    for row, h in enumerate(heads):
-        left.plot(d, curves["k_rel"][row], lw=1, label=f"head {h}")
-        right.plot(d, curves["sink"][row], lw=1, label=f"head {h}, recency slope {curves['slope'][row]:.3g}")
-    for ax in (left, right):
-        ax.axvline(train_len, color="k", ls="--", lw=0.8)
-        ax.grid(alpha=0.3)
-    left.set(title=f"{title}: relative prior K_rel(d)", xlabel="distance d = i - j (tokens)", ylabel="logit")
-    for ax in (left, right):
-        ax.set_xscale("symlog", linthresh=1.0)  # short distances and the far range both visible
-        ax.set_xlim(0, float(d[-1]))
-    right.set(
-        title="sink lane u(j) (recency slope listed)", xlabel="key position j (dashed: training length)"
-    )
-    _legend(left, len(heads))
-    _legend(right, len(heads))
+    row = 0
+    for (left, right), group in zip(axes, groups):
+        for h in group:
+            left.plot(d, curves["k_rel"][row], lw=1, label=f"head {h}")
+            right.plot(
+                d, curves["sink"][row], lw=1, label=f"head {h}, recency slope {curves['slope'][row]:.3g}"
+            )
+            row += 1
+        for ax in (left, right):
+            ax.axvline(train_len, color="k", ls="--", lw=0.8)
+            ax.grid(alpha=0.3)
+            ax.set_xscale("symlog", linthresh=1.0)  # short distances and the far range both visible
+            ax.set_xlim(0, float(d[-1]))
+        left.set(
+            title=f"{title}: relative prior K_rel(d)", xlabel="distance d = i - j (tokens)", ylabel="logit"
+        )
+        right.set(
+            title="sink lane u(j) (recency slope listed)", xlabel="key position j (dashed: training length)"
+        )
+        _legend(left, len(group))
+        _legend(right, len(group))
+    fig.tight_layout()  # once, here: cheaper than a constrained layout at every draw
     return fig
 
 

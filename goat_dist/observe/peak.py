@@ -6,7 +6,8 @@ TF32). On a CPU there is no datasheet number worth using: the peak is *measured*
 in the training dtype at the process's thread count and cached in ``<data.cache_dir>/peak_flops.json``,
 so CPU MFU reads as "fraction of what this machine's matmul reaches". On a CPU shared with other jobs
 the probe measures what it got at that moment: an MFU above 1 means the cached peak was measured under
-load; delete the cache file to measure again.
+load, so the run probes once more (``cpu_peak(remeasure=True)``, the cache keeps the higher figure) and,
+if MFU still exceeds 1, reports it capped and marked unreliable (``observe.step_metrics.mfu_metrics``).
 """
 
 from __future__ import annotations
@@ -71,16 +72,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_peak(dtype: str, cache_dir: str | Path) -> float:
-    """The CPU probe's FLOP/s, from the cache when this machine, thread count and dtype were measured."""
+def cpu_peak(dtype: str, cache_dir: str | Path, remeasure: bool = False) -> float:
+    """The CPU probe's FLOP/s, from the cache when this machine, thread count and dtype were measured.
+    ``remeasure`` probes again and keeps the higher of the two: a probe only ever under-measures."""
     cache = Path(cache_dir).expanduser() / "peak_flops.json"
     key = f"{_cpu_name()} | threads={torch.get_num_threads()} | {dtype} | torch {torch.__version__}"
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
-        known[key] = measure_matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    if key not in known or remeasure:
+        measured = measure_matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        known[key] = max(measured, float(known.get(key, 0.0)))
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(cache, json.dumps(known, indent=1))

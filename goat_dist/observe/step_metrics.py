@@ -9,7 +9,8 @@ so the hot loop keeps its single control collective.
   the number of ranks holding the same values (DP replicas; TP replicas of replicated parameters; under
   ZeRO-3 a rank holds a distinct flat partition, counted once per TP replica).
 * ``tflops_per_device`` / ``mfu``: ``tokens_per_s * flops_per_token / world`` against the device peak
-  (``observe.flops``, ``observe.peak``); ``mfu`` is absent when the peak is unknown.
+  (``observe.flops``, ``observe.peak``); ``mfu`` is absent when the peak is unknown, capped at 1 (with
+  ``mfu_raw``, ``mfu_unreliable``) when the peak is too low to be right.
 * memory per rank (lists indexed by global rank): allocated and peak bytes of the device allocator on CUDA;
   on a CPU the device *is* the host, so allocated = resident set and peak = peak resident set; and every
   rank's host RSS.
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from ..parallel.zero3 import partition_values
 from .flops import flops_per_token
-from .peak import peak_flops, training_dtype
+from .peak import cpu_peak, peak_flops, training_dtype
 
 GIB = 2**30
 
@@ -69,13 +70,38 @@ def device_peak(cfg, device: torch.device) -> tuple[float | None, str]:
     return _peak(device, dtype, float(cfg.log.peak_tflops), str(cfg.data.cache_dir))
 
 
+def reprobe_peak(cfg, device: torch.device) -> float:
+    """A fresh CPU probe (the cache keeps the higher figure), for a measured peak that MFU exceeds."""
+    _peak.cache_clear()
+    return cpu_peak(training_dtype(cfg.train.precision, device), str(cfg.data.cache_dir), remeasure=True)
+
+
+def mfu_metrics(flops_per_s: float, peak: float) -> dict:
+    """``mfu``; above 1 the peak cannot be right (a probe run under load): ``mfu`` is capped at 1 and
+    marked ``mfu_unreliable``, with the uncapped value as ``mfu_raw``."""
+    raw = flops_per_s / peak
+    if raw <= 1.0:
+        return {"mfu": raw}
+    return {"mfu": 1.0, "mfu_raw": raw, "mfu_unreliable": True}
+
+
+def mfu_text(metrics: dict) -> str:
+    """The console's MFU note: a percentage, or a warning instead of an impossible one."""
+    if "mfu" not in metrics:
+        return ""
+    if metrics.get("mfu_unreliable"):
+        return " (MFU >100%: peak estimate unreliable)"
+    return f" (MFU {100 * metrics['mfu']:.1f}%)"
+
+
 class StepMetrics:
     """Built once per training loop; ``collect`` is called on every rank at the same log steps."""
 
     def __init__(self, cfg, model: torch.nn.Module, layout, dataset):
         self.cfg, self.model, self.layout = cfg, model, layout
         self.flops_per_token = flops_per_token(cfg.model)["total"]
-        self.peak = device_peak(cfg, layout.device)[0] if layout.is_main else None
+        self.peak, self.peak_source = device_peak(cfg, layout.device) if layout.is_main else (None, "")
+        self.reprobed = False
         sources = getattr(dataset, "sources", None) or []
         windows = getattr(dataset, "windows_per_epoch", None)
         self.epoch_sizes = []  # (weight share, windows per epoch) per source
@@ -106,5 +132,12 @@ class StepMetrics:
             "epoch": self.epoch(state.consumed_samples - state.stream_start),
         }
         if self.peak:
-            out["mfu"] = tflops * 1e12 / self.peak
+            out.update(self.mfu(tflops * 1e12))
         return out
+
+    def mfu(self, flops_per_s: float) -> dict:
+        """MFU against the peak; a measured peak that MFU exceeds is probed once more first."""
+        if flops_per_s > self.peak and not self.reprobed and self.peak_source.startswith("measured"):
+            self.reprobed = True
+            self.peak = max(self.peak, reprobe_peak(self.cfg, self.layout.device))
+        return mfu_metrics(flops_per_s, self.peak)

@@ -2,14 +2,19 @@
 and the README's tag table is this table, so the two files can never disagree on what a value is.
 
 A tag with ``{i}`` belongs to a list-valued key: one tag per element (per rank for memory, per layer
-for the attention diagnostics). Keys not listed here (``data_fingerprint``) stay in metrics.jsonl only.
+for the attention diagnostics). Keys not listed here (``data_fingerprint``, ``mfu_raw``) stay in
+metrics.jsonl only.
+
+TensorBoard groups cards by a tag's first component and sorts groups and cards by name: the group
+``loss`` (training and validation loss side by side) sorts before every other (``mem``, ``perf``,
+``train``, ``val``), so a dashboard opens on the two curves a user looks at first.
 """
 
 from __future__ import annotations
 
 # written at every log step (log.interval, the first and the last step)
 TRAIN_TAGS = {
-    "loss": "train/loss",
+    "loss": "loss/train",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "params_norm": "train/params_norm",
@@ -20,20 +25,20 @@ TRAIN_TAGS = {
     "mem_allocated_gib": "mem/rank_{i}/allocated_gib",
     "mem_peak_gib": "mem/rank_{i}/peak_gib",
     "host_rss_gib": "mem/rank_{i}/host_rss_gib",
-    "consumed_tokens": "data/tokens_seen",
-    "epoch": "data/epoch",
-    "data_skipped": "data/skipped_samples",
-    "nonfinite_skipped": "data/nonfinite_skipped_steps",
-    "unreadable_skipped": "data/unreadable_skipped_steps",
+    "consumed_tokens": "train/tokens_seen",
+    "epoch": "train/epoch",
+    "data_skipped": "train/skipped_samples",
+    "nonfinite_skipped": "train/nonfinite_skipped_steps",
+    "unreadable_skipped": "train/unreadable_skipped_steps",
 }
 
 # written at every evaluation (train.eval_interval and the last step)
 EVAL_TAGS = {
-    "val_loss": "val/loss",
+    "val_loss": "loss/val",
     "val_ppl": "val/ppl",
-    "attn_sink_mass": "attn/layer_{i}/sink_mass",
-    "attn_entropy": "attn/layer_{i}/entropy",
-    "attn_local_mass": "attn/layer_{i}/local_mass",
+    "attn_sink_mass": "val/attn/layer_{i}/sink_mass",
+    "attn_entropy": "val/attn/layer_{i}/entropy",
+    "attn_local_mass": "val/attn/layer_{i}/local_mass",
 }
 
 # written every log.prior_interval steps (GOAT runs)

@@ -84,6 +84,7 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
         shuffle_buffer=d.shuffle_buffer,
         on_error=d.on_error,
         cache_dir=d.cache_dir,
+        window_order=d.window_order,
     )
 
 

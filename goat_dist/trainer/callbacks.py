@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..observe import tags
+from ..observe.step_metrics import mfu_text
 from .state import RunState
 
 
@@ -53,7 +54,7 @@ class ConsoleLogger(Callback):
         self._print(
             f"step {state.step:>6}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
             f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s"
-            + (f" (MFU {100 * metrics['mfu']:.1f}%)" if "mfu" in metrics else "")
+            + mfu_text(metrics)
             + f" | {_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
         )
 

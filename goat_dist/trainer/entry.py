@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
+import traceback
+from pathlib import Path
+
+from data_tools.shard_format import MANIFEST_NAME, ShardError, read_manifest
 
 from .. import distributed
 from ..atomic import atomic_write_text
 from ..checkpoint import CheckpointError
-from ..config import Config
+from ..config import Config, ConfigError
+from ..data.shards import is_url
 from ..distributed import LayoutError
 from . import data_contract, nonfinite
 from .deadline import DeadlineError
@@ -27,6 +34,7 @@ def run(cfg: Config) -> RunState:
     it, since a launcher such as torchrun replaces the workers' exit codes with its own."""
     trainer = None
     try:
+        check_data_sources(cfg)
         trainer = Trainer(cfg)
         state = trainer.fit()
     except BaseException as e:
@@ -44,16 +52,110 @@ def run(cfg: Config) -> RunState:
 
 # errors that are the user's to fix (config, layout, checkpoint, data): exit 2, like a usage error
 USER_ERRORS = (
+    ConfigError,
     LayoutError,
     CheckpointError,
+    ShardError,
     data_contract.DataContractError,
     nonfinite.NonFiniteError,
     DeadlineError,
 )
 
+# kinds every rank raises alike (they depend on the config and the world size only): rank 0 speaks for all
+SAME_ON_EVERY_RANK = (ConfigError, LayoutError)
+
+# how long a rank other than 0 waits for rank 0 to report the same error before reporting its own
+QUIET_RANK_GRACE_S = 5.0
+
+_STARTED = time.time()
+
 
 def exit_code_for(error: BaseException) -> int:
     return 2 if isinstance(error, USER_ERRORS) else 1
+
+
+def check_data_sources(cfg: Config) -> None:
+    """Refuse a local data set that is not there or has a larger vocabulary than the model, before any
+    process group or model exists, in words that name the setting and the fix."""
+    d = cfg.data
+    if d.synthetic or (not d.sources and d.source == "builtin"):
+        return
+    if d.sources:
+        named = [(f"data.sources[{i}].path", str(s["path"])) for i, s in enumerate(d.sources)]
+    else:
+        named = [("data.source", str(d.source))]
+    for setting, path in named:
+        if is_url(path):
+            continue  # a URL: the loader reads (and checks) its manifest
+        where = Path(path).expanduser()
+        if not (where / MANIFEST_NAME).is_file():
+            raise ConfigError(
+                f"{setting}={path}: no data set there ({where / MANIFEST_NAME} not found); point it at a "
+                "directory written by `goat-dist data prepare`, or use data.source=builtin"
+            )
+        vocab = read_manifest(where)["vocab_size"]
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                f"{setting}={path} was tokenized with vocab_size {vocab}, larger than "
+                f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={vocab}, or leave it out "
+                "(the data set's vocabulary is then used)"
+            )
+
+
+def user_error_message(error: BaseException, prog: str = "goat-dist train") -> str:
+    """One block of text for an error of the user's: the message, and the fix where the message alone
+    does not say it. An error re-raised from a DataLoader worker carries the worker's traceback in its
+    text; only its last line is the message."""
+    text = str(error)
+    if "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = last.split(": ", 1)[1] if last.split(": ", 1)[0].endswith(type(error).__name__) else last
+    if isinstance(error, ShardError) and "on_error" not in text:
+        text += (
+            "\n  fix: rebuild the data set (`goat-dist data prepare`; `goat-dist data inspect DIR` checks "
+            "every shard), or set data.on_error=skip to mask the damaged samples and go on"
+        )
+    return f"{prog}: {text}"
+
+
+def report_user_error(
+    error: BaseException, run_dir: Path | None = None, prog: str = "goat-dist train"
+) -> int:
+    """Print ``error`` once for the whole world and return its exit code.
+
+    Rank 0 prints at once. Another rank stays quiet for errors every rank raises alike; for the others
+    (data, checkpoint: possibly this rank's alone) it waits ``QUIET_RANK_GRACE_S`` for rank 0's
+    ``last_exit.json`` to name the same error: a launcher that stops the world when rank 0 exits ends the
+    wait early (SIGTERM does so again, whatever handler the run had installed). ``GOAT_DEBUG=1`` adds the
+    traceback."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        if isinstance(error, SAME_ON_EVERY_RANK) or _rank0_reported(error, run_dir):
+            return exit_code_for(error)
+    message = user_error_message(error, prog)
+    if rank != 0:
+        message = f"[rank {rank}] {message}"
+    if os.environ.get("GOAT_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+    print(message, file=sys.stderr, flush=True)
+    return exit_code_for(error)
+
+
+def _rank0_reported(error: BaseException, run_dir: Path | None) -> bool:
+    if run_dir is None:
+        return False
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    reason = f"{type(error).__name__}: {error}"
+    deadline = time.monotonic() + QUIET_RANK_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            record = json.loads((Path(run_dir) / "last_exit.json").read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("time", 0) >= _STARTED and record.get("status") == "failed":
+            return record.get("reason") == reason
+        time.sleep(0.2)
+    return False
 
 
 def _record_exit(cfg: Config, status: str, reason: str | None, step: int | None, exit_code: int) -> None:

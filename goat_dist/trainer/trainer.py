@@ -15,7 +15,6 @@ from megatron.core import parallel_state
 from .. import distributed
 from ..checkpoint import CheckpointManager, extension
 from ..config import Config, save_config
-from ..distributed import LayoutError
 from ..model import GPT
 from . import data_contract, nonfinite, unreadable
 from .batches import data_sources, train_loader, val_loader
@@ -50,13 +49,8 @@ def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
 
 def gradient_accumulation(cfg: Config, dp: int) -> int:
     t = cfg.train
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        raise LayoutError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
-        )
-    return t.global_batch_size // per_step
+    distributed.check_batch(t.global_batch_size, t.micro_batch_size, dp)
+    return t.global_batch_size // (t.micro_batch_size * dp)
 
 
 def autocast_context(cfg: Config, device: torch.device):

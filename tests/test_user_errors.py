@@ -1,0 +1,88 @@
+"""Errors of the user's own making (config, data, checkpoint, layout), as a new user meets them: the real
+``goat-dist train`` command prints one message that names the setting and the fix, from rank 0 only, no
+traceback, and exits 2 (a usage error: retrying cannot help), under torchrun too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+from multiproc import TINY, run
+
+PREFIX = "goat-dist train:"
+
+
+def train(tmp_path, *overrides: str, nproc: int = 1, **env):
+    """``goat-dist train`` with the tiny model, a run dir of its own, and the user's error expected."""
+    cmd = [sys.executable, "-m", "goat_dist", "train", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+    return run([*cmd, *TINY, f"run.dir={tmp_path / 'run'}", *overrides], expect=2, timeout=120, **env)
+
+
+def one_clean_message(proc, *words: str) -> str:
+    """The one message of the run (asserted once, no traceback); each of ``words`` is in it."""
+    out = proc.stdout + proc.stderr
+    assert out.count(PREFIX) == 1, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    message = proc.stderr[proc.stderr.index(PREFIX) :]
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def test_config_error_missing_data_source_names_the_setting(tmp_path, builtin_cache):
+    proc = train(tmp_path, f"data.source={tmp_path / 'nope'}", f"data.cache_dir={builtin_cache}")
+    one_clean_message(proc, "data.source=", "manifest.json not found", "goat-dist data prepare")
+
+
+def test_config_error_vocabulary_mismatch_names_the_fix(tmp_path, builtin_cache):
+    data = next(p.parent for p in builtin_cache.glob("*/manifest.json"))
+    proc = train(tmp_path, f"data.source={data}", "model.vocab_size=300", f"data.cache_dir={builtin_cache}")
+    one_clean_message(proc, "vocab_size 4096", "model.vocab_size=4096")
+
+
+def test_data_error_truncated_shard_under_on_error_raise(tmp_path, builtin_cache):
+    data = tmp_path / "data"
+    shutil.copytree(next(p.parent for p in builtin_cache.glob("*/manifest.json")), data)
+    for shard in data.glob("train-*.tar"):
+        os.truncate(shard, shard.stat().st_size // 3)
+    proc = train(tmp_path, f"data.source={data}", "data.on_error=raise", f"data.cache_dir={builtin_cache}")
+    one_clean_message(proc, "train-000000.tar", "truncated", "data.on_error=skip")
+
+
+def test_checkpoint_error_resume_from_a_missing_path(tmp_path, builtin_cache):
+    proc = train(tmp_path, f"train.resume={tmp_path / 'no-such-ckpt'}", f"data.cache_dir={builtin_cache}")
+    one_clean_message(proc, "no-such-ckpt", "train.resume")
+
+
+@pytest.mark.slow
+def test_layout_error_dp2_batch_once_from_rank_0_and_launcher_exits_2(tmp_path, builtin_cache):
+    """Two ranks under the torchrun world that ``--nproc`` starts: one message, exit 2, no
+    ChildFailedError report; it suggests the micro-batch size that works."""
+    proc = train(tmp_path, "train.global_batch_size=6", f"data.cache_dir={builtin_cache}", nproc=2)
+    message = one_clean_message(proc, "train.global_batch_size=6", "data-parallel size 2")
+    assert "train.micro_batch_size=1" in message and "[rank 1]" not in message
+
+
+def test_batch_fix_suggests_the_largest_micro_batch_that_divides():
+    from goat_dist.distributed import LayoutError, check_batch
+
+    with pytest.raises(LayoutError, match=r"set train.micro_batch_size=2 \(the largest"):
+        check_batch(8, 3, 2)
+    with pytest.raises(LayoutError, match=r"set train.global_batch_size=4 or train.global_batch_size=8"):
+        check_batch(7, 2, 2)  # no micro-batch size divides an odd batch over 2 ranks
+    check_batch(8, 2, 2)
+
+
+def test_error_from_a_dataloader_worker_keeps_only_its_message():
+    from data_tools.shard_format import ShardError
+    from goat_dist.trainer.entry import exit_code_for, user_error_message
+
+    wrapped = ShardError(
+        "Caught ShardError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\ndata_tools.shard_format.ShardError: shard s.tar: sample cut short\n'
+    )
+    message = user_error_message(wrapped)
+    assert message.splitlines()[0] == "goat-dist train: shard s.tar: sample cut short"
+    assert "Traceback" not in message and exit_code_for(wrapped) == 2
