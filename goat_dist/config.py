@@ -87,6 +87,7 @@ class ParallelConfig:
     sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     cp: int = 1  # context parallel: ranks sharing one sequence; data parallel = world / (tp x cp)
+    timeout_minutes: float = 10.0  # collective timeout of every group: a frozen or dead rank ends the job
 
 
 @dataclass
@@ -431,6 +432,9 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+    timeout = cfg.parallel.timeout_minutes
+    if not timeout > 0:
+        raise ConfigError(f"config key 'parallel.timeout_minutes' must be > 0, got {timeout}")
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -8,6 +8,8 @@ tensor-parallel layers.
 from __future__ import annotations
 
 import atexit
+import datetime
+import math
 import os
 import socket
 import sys
@@ -114,23 +116,35 @@ def backend_for(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def init(tp: int = 1, cp: int = 1) -> Layout:
+DEFAULT_TIMEOUT_MINUTES = 10.0  # parallel.timeout_minutes' default
+
+
+def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> Layout:
     """Initialise torch.distributed (see ``backend_for``) and megatron's parallel_state.
 
     megatron's rank order is tp-cp-dp (TP fastest): the CP ranks of one sequence are ``tp`` apart, and
-    ``get_data_parallel_group(with_context_parallel=True)`` holds every replica of one TP slice."""
+    ``get_data_parallel_group(with_context_parallel=True)`` holds every replica of one TP slice.
+
+    ``timeout_minutes`` (``parallel.timeout_minutes``) is the collective timeout of every group, the
+    default one and megatron's (a mixed backend string would otherwise get torch's 30 minutes): a rank
+    that stops answering ends a collective with an error instead of holding the job. megatron's own
+    extra gloo groups are not created (nothing here uses them; at 512 ranks they are thousands of
+    sockets per process)."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
     cuda = torch.cuda.is_available()
+    if timeout_minutes <= 0:
+        raise LayoutError(f"parallel.timeout_minutes must be > 0, got {timeout_minutes}")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         backend = backend_for(cuda)
         if "RANK" in os.environ:  # torchrun (or Slurm via a launcher) set up the rendezvous
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:  # a single process: a private store, so child processes can start worlds of their own
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
             url = f"tcp://127.0.0.1:{free_port()}"
-            dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1)
+            dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1, timeout=timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -141,7 +155,12 @@ def init(tp: int = 1, cp: int = 1) -> Layout:
             raise LayoutError(
                 f"impossible parallel layout: world size {dist.get_world_size()} is not divisible by {what}"
             )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)),
+            create_gloo_process_groups=False,
+        )
     return Layout(
         world=dist.get_world_size(),
         rank=dist.get_rank(),

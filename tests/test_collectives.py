@@ -105,3 +105,50 @@ def test_one_control_collective_per_step(world1, builtin_cache, tmp_path, monkey
     for _ in range(3):
         trainer.train_step(it)
     assert calls == [("all_reduce", "goat_dist.trainer.control")] * 3
+
+
+PROBE_TIMEOUTS = """
+import torch, torch.distributed as dist
+from megatron.core import parallel_state
+from goat_dist import distributed
+distributed.init(tp=1, timeout_minutes=3)
+cpu = torch.device("cpu")
+world = dist.group.WORLD._get_backend(cpu).options._timeout.total_seconds()
+tp = parallel_state.get_tensor_model_parallel_group()._get_backend(cpu).options._timeout.total_seconds()
+print("TIMEOUTS", world, tp, parallel_state._DATA_PARALLEL_GROUP_GLOO is None)
+"""
+
+
+def test_every_group_gets_the_configured_timeout_and_no_megatron_gloo_duplicates():
+    """parallel.timeout_minutes reaches the default group and megatron's groups (a mixed backend string
+    would otherwise get torch's 30 minutes); megatron's extra gloo groups are not created."""
+    import subprocess
+    import sys
+
+    from multiproc import ROOT, clean_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_TIMEOUTS],
+        env=clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("TIMEOUTS")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert line[0].split()[1:] == ["180.0", "180.0", "True"]
+
+
+def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, builtin_cache, tmp_path):
+    import torch
+    from multiproc import in_process_config
+
+    from goat_dist.trainer.trainer import Trainer, resolve_precision
+
+    assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16"
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolve_precision("fp32", torch.device("cuda", 0)) == "fp32"
+    trainer = Trainer(in_process_config(builtin_cache, tmp_path / "run", "train.precision=auto"))
+    assert trainer.cfg.train.precision == "fp32"  # resolved before the engine was built
+    assert trainer.layout_record()["precision"] == "fp32"

@@ -355,3 +355,26 @@ def test_signal_constant_matches_trainer():
 
     assert gs.EXIT_CHECKPOINTED == EXIT_CHECKPOINTED
     assert signal.SIGUSR1  # the signal the scripts forward exists here
+
+
+def test_train_sbatch_raises_the_open_files_limit_and_says_so(tmp_path):
+    """A soft nofile limit below the hard one (Slurm propagates the submitting shell's) is raised to the
+    hard one, with a log line; the script then goes on (here it stops at the missing config)."""
+    import resource
+
+    def low_soft_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    env = {**os.environ, "SLURM_JOB_ID": "1", "GOAT_PYTHON": sys.executable, "GOAT_SITE_ENV": "/nonexistent"}
+    proc = subprocess.run(
+        ["bash", "slurm/train.sbatch", str(tmp_path / "missing.yaml")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=low_soft_limit,
+    )
+    out = proc.stdout + proc.stderr
+    assert "open files limit raised from 256 to 4096" in out, out
+    assert proc.returncode == 2, out

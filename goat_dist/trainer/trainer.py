@@ -53,10 +53,17 @@ def gradient_accumulation(cfg: Config, dp: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``train.precision=auto``: DeepSpeed's bf16 mode on CUDA (fp32 masters, the fp32 GOAT prior: the
+    tested bf16 path), fp32 on CPU. Resolved once, before anything reads it, so that the engine, autocast,
+    the checkpoint's layout record and the saved config all see the same concrete precision."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
 def autocast_context(cfg: Config, device: torch.device):
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = resolve_precision(cfg.train.precision, device)
     if precision == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
@@ -65,7 +72,10 @@ def autocast_context(cfg: Config, device: torch.device):
 class Trainer:
     def __init__(self, cfg: Config, callbacks: list[Callback] | None = None):
         self.cfg = cfg
-        self.layout = distributed.init(tp=cfg.parallel.tp, cp=cfg.parallel.cp)
+        self.layout = distributed.init(
+            tp=cfg.parallel.tp, cp=cfg.parallel.cp, timeout_minutes=cfg.parallel.timeout_minutes
+        )
+        cfg.train.precision = resolve_precision(cfg.train.precision, self.layout.device)
         m = cfg.model
         distributed.check_layout(
             self.layout.world,
