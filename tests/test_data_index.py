@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from test_data_loader import batches, same  # the loader tests' helpers
 
 from data_tools.inspection import inspect_dataset
 from data_tools.shard_format import index_name, read_manifest, scan_index, write_manifest
@@ -47,18 +48,6 @@ def make_dataset(root: Path, n_docs: int, shard_mb: float, seed: int = 0, max_le
 def big(tmp_path_factory) -> Path:
     """~6 MB of tokens in 2 MB shards."""
     return make_dataset(tmp_path_factory.mktemp("big"), 2000, 2.0, seed=3)
-
-
-def batches(loader, n: int) -> list[dict]:
-    it = iter(loader)
-    out = [next(it) for _ in range(n)]
-    del it
-    return out
-
-
-def same(xs, ys) -> bool:
-    keys = ("tokens", "labels", "position_ids")
-    return len(xs) == len(ys) and all(torch.equal(x[k], y[k]) for x, y in zip(xs, ys) for k in keys)
 
 
 def loader(sources, dp_rank=0, dp_size=1, **kw):
