@@ -29,8 +29,6 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from .attention import split_grouped_qkv
-from .attention.goat import fold_prior
-from .model.positions import apply_rope, rope_cos_sin
 
 
 class KVCache:
@@ -74,21 +72,16 @@ def _cached_attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: KVC
     q, k, v = split_grouped_qkv(
         mixed.transpose(0, 1), attn.local_kv_heads, attn.group, attn.content_dim, attn.head_dim
     )
-    position, scale, bias = attn.cfg.position, attn.head_dim**-0.5, None
-    if position == "goat":
-        q, k = fold_prior(q, k, attn.prior, positions, causal=True, origin=cache.origin)
-        scale = attn.content_dim**-0.5
-    elif position == "rope":
-        cos, sin = rope_cos_sin(positions, attn.head_dim, attn.cfg.rope_base)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, scale, slopes = attn.fold_positions(q, k, positions, cache.origin)
+    bias = None
     start = cache.length
     keys, values = cache.append(layer, k, v)
     L, S = q.shape[1], keys.shape[1]
     query_pos = start + torch.arange(L, device=q.device)
     key_pos = torch.arange(S, device=q.device)
-    if position == "alibi":
+    if slopes is not None:  # ALiBi
         distance = (query_pos[:, None] - key_pos[None, :]).float()  # (L, S)
-        bias = -attn.alibi_slopes.to(q.device)[None, :, None, None] * distance  # (1, H, L, S)
+        bias = -slopes.to(q.device)[None, :, None, None] * distance  # (1, H, L, S)
     mask, causal = None, False
     if bias is None and start == 0:
         causal = L > 1  # prefill: the training kernel's own causal path

@@ -102,20 +102,26 @@ class ParallelSelfAttention(nn.Module):
     def _attend_cp(self, q, k, v, position_ids, shard: ContextShard):
         """Context parallel: fold positions into this rank's q/k, all-gather K/V over the CP group, attend
         each local chunk to its key prefix (``parallel.context``)."""
-        position, slopes = self.cfg.position, None
-        scale = self.head_dim**-0.5
+        q, k, scale, slopes = self.fold_positions(q, k, position_ids, shard.origin)
+        k_full, v_full = gather_sequence(k, shard), gather_sequence(v, shard)
+        return context_attention(
+            q, k_full, v_full, shard, scale=scale, backend=self.backend, alibi_slopes=slopes
+        )
+
+    def fold_positions(self, q, k, position_ids, origin):
+        """For a caller that attends by itself (context-parallel chunks, cached generation): q and k with
+        the position scheme applied (GOAT's prior folded in with the whole sequence's ``origin``, RoPE
+        rotated), the softmax scale, and ALiBi's slopes for the caller's bias (None for other schemes)."""
+        position, slopes, scale = self.cfg.position, None, self.head_dim**-0.5
         if position == "goat":
-            q, k = fold_prior(q, k, self.prior, position_ids, causal=True, origin=shard.origin)
+            q, k = fold_prior(q, k, self.prior, position_ids, causal=True, origin=origin)
             scale = self.content_dim**-0.5
         elif position == "rope":
             cos, sin = rope_cos_sin(position_ids, self.head_dim, self.cfg.rope_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         elif position == "alibi":
             slopes = self.alibi_slopes
-        k_full, v_full = gather_sequence(k, shard), gather_sequence(v, shard)
-        return context_attention(
-            q, k_full, v_full, shard, scale=scale, backend=self.backend, alibi_slopes=slopes
-        )
+        return q, k, scale, slopes
 
     def _attend(self, q, k, v, position_ids, segments=None, origin=None):
         position = self.cfg.position
