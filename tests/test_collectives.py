@@ -144,11 +144,15 @@ def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, 
     import torch
     from multiproc import in_process_config
 
-    from goat_dist.trainer.trainer import Trainer, resolve_precision
+    from goat_dist.trainer.precision import resolve_precision
+    from goat_dist.trainer.trainer import Trainer
 
     assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16"
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("fp32", torch.device("cuda", 0)) == "fp32"
-    trainer = Trainer(in_process_config(builtin_cache, tmp_path / "run", "train.precision=auto"))
+    cfg = in_process_config(builtin_cache, tmp_path / "run", "train.precision=auto", "train.max_steps=1")
+    trainer = Trainer(cfg)
     assert trainer.cfg.train.precision == "fp32"  # resolved before the engine was built
     assert trainer.layout_record()["precision"] == "fp32"
+    trainer.fit()
+    assert "precision: fp32" in (tmp_path / "run" / "config.yaml").read_text()  # the saved config says so

@@ -42,7 +42,7 @@ class StepControl:
     """What one step's collective decided, identical on every rank."""
 
     loss: float  # mean loss over the global batch (data-parallel mean of per-rank means)
-    fingerprint: int  # digest of the global batch's data (see trainer.batch_fingerprint)
+    fingerprint: int  # digest of the global batch's data (see batch_fingerprint)
     skipped: int  # samples with unreadable data in the global batch
     valid_labels: int  # labels of the global batch that carry loss (not IGNORE_INDEX)
     nonfinite_loss: int  # ranks x micro-batches whose loss was NaN/Inf
@@ -120,3 +120,12 @@ def agree(
         save_due=values["save_due"] > 0,
         deadline=values["deadline"] > 0,
     )
+
+
+def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
+    """An integer digest of the set of sequences in a batch (order inside each sequence counts, the
+    placement on ranks and micro-batches does not): summed over a global batch, equal digests per step
+    mean the same data. metrics.jsonl ``data_fingerprint`` is how exact resume of the data is checked."""
+    t = tokens.long()
+    per_sample = (t * torch.arange(1, t.shape[1] + 1)).sum(dim=1)
+    return int(((per_sample * 2654435761) % 2_147_483_647).sum())

@@ -19,11 +19,12 @@ from ..model import GPT
 from . import data_contract, nonfinite, unreadable
 from .batches import data_sources, train_loader, val_loader
 from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
-from .control import StepControl, agree
+from .control import StepControl, agree, batch_fingerprint
 from .deadline import Deadline
 from .faults import fault_due, fault_hook, kill_after
 from .memory import training_state_bytes
 from .parallelize import parallelize
+from .precision import autocast_context, resolve_precision
 from .signals import StopSignals
 from .state import RunState
 
@@ -38,35 +39,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
-    """An integer digest of the set of sequences in a batch (order inside each sequence counts, the
-    placement on ranks and micro-batches does not): summed over a global batch, equal digests per step
-    mean the same data. metrics.jsonl ``data_fingerprint`` is how exact resume of the data is checked."""
-    t = tokens.long()
-    per_sample = (t * torch.arange(1, t.shape[1] + 1)).sum(dim=1)
-    return int(((per_sample * 2654435761) % 2_147_483_647).sum())
-
-
 def gradient_accumulation(cfg: Config, dp: int) -> int:
     t = cfg.train
     distributed.check_batch(t.global_batch_size, t.micro_batch_size, dp)
     return t.global_batch_size // (t.micro_batch_size * dp)
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``train.precision=auto``: DeepSpeed's bf16 mode on CUDA (fp32 masters, the fp32 GOAT prior: the
-    tested bf16 path), fp32 on CPU. Resolved once, before anything reads it, so that the engine, autocast,
-    the checkpoint's layout record and the saved config all see the same concrete precision."""
-    if precision != "auto":
-        return precision
-    return "bf16" if device.type == "cuda" else "fp32"
-
-
-def autocast_context(cfg: Config, device: torch.device):
-    precision = resolve_precision(cfg.train.precision, device)
-    if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 class Trainer:
