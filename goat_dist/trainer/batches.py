@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from data_tools.shard_format import MANIFEST_NAME
+
 from ..config import Config, ConfigError
 from ..data import build_train_loader, build_val_loader, prepare_builtin_dataset, read_manifest
 from ..data.shards import is_url
@@ -43,15 +45,27 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
     else:
         sources = [{"path": str(Path(cfg.data.source).expanduser()), "weight": 1.0}]
     for src in sources:
-        if is_url(src["path"]):
-            continue  # remote: the loader reads its manifest
-        vocab = read_manifest(src["path"])["vocab_size"]
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(
-                f"data source {src['path']} was tokenized with vocab_size {vocab} but model.vocab_size is "
-                f"{cfg.model.vocab_size}"
-            )
+        check_source(f"data source {src['path']}", src["path"], cfg.model.vocab_size)
     return sources
+
+
+def check_source(setting: str, path: str, vocab_size: int) -> None:
+    """A local data set at ``path`` exists and fits ``model.vocab_size``, else a ConfigError naming
+    ``setting`` and the fix (URL sources: the loader reads and checks their manifest)."""
+    if is_url(path):
+        return
+    where = Path(path).expanduser()
+    if not (where / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"{setting}: no data set there ({where / MANIFEST_NAME} not found); point it at a directory "
+            "written by `goat-dist data prepare`, or use data.source=builtin"
+        )
+    vocab = read_manifest(where)["vocab_size"]
+    if vocab > vocab_size:
+        raise ConfigError(
+            f"{setting} was tokenized with vocab_size {vocab}, larger than model.vocab_size={vocab_size}; "
+            f"set model.vocab_size={vocab}, or leave it out (the data set's vocabulary is then used)"
+        )
 
 
 def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample: int = 0):

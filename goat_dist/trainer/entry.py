@@ -11,15 +11,15 @@ import time
 import traceback
 from pathlib import Path
 
-from data_tools.shard_format import MANIFEST_NAME, ShardError, read_manifest
+from data_tools.shard_format import ShardError
 
 from .. import distributed
 from ..atomic import atomic_write_text
 from ..checkpoint import CheckpointError
 from ..config import Config, ConfigError
-from ..data.shards import is_url
 from ..distributed import LayoutError
 from . import data_contract, nonfinite
+from .batches import check_source
 from .deadline import DeadlineError
 from .signals import EXIT_CHECKPOINTED
 from .state import RunState
@@ -75,31 +75,17 @@ def exit_code_for(error: BaseException) -> int:
 
 
 def check_data_sources(cfg: Config) -> None:
-    """Refuse a local data set that is not there or has a larger vocabulary than the model, before any
-    process group or model exists, in words that name the setting and the fix."""
+    """The configured local data sets, checked before any process group or model exists
+    (``batches.check_source``), in words that name the setting and the fix."""
     d = cfg.data
     if d.synthetic or (not d.sources and d.source == "builtin"):
         return
     if d.sources:
-        named = [(f"data.sources[{i}].path", str(s["path"])) for i, s in enumerate(d.sources)]
+        named = [(f"data.sources[{i}].path={s['path']}", str(s["path"])) for i, s in enumerate(d.sources)]
     else:
-        named = [("data.source", str(d.source))]
+        named = [(f"data.source={d.source}", str(d.source))]
     for setting, path in named:
-        if is_url(path):
-            continue  # a URL: the loader reads (and checks) its manifest
-        where = Path(path).expanduser()
-        if not (where / MANIFEST_NAME).is_file():
-            raise ConfigError(
-                f"{setting}={path}: no data set there ({where / MANIFEST_NAME} not found); point it at a "
-                "directory written by `goat-dist data prepare`, or use data.source=builtin"
-            )
-        vocab = read_manifest(where)["vocab_size"]
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(
-                f"{setting}={path} was tokenized with vocab_size {vocab}, larger than "
-                f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={vocab}, or leave it out "
-                "(the data set's vocabulary is then used)"
-            )
+        check_source(setting, path, cfg.model.vocab_size)
 
 
 def user_error_message(error: BaseException, prog: str = "goat-dist train") -> str:
