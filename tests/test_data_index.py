@@ -277,3 +277,77 @@ def test_a_resume_of_a_stream_begun_before_window_order_keeps_its_order():
     assert data_contract.differences({"window_order": "keyed"}, {"window_order": "numpy"}) == [
         "data.window_order: 'keyed' -> 'numpy'"
     ]
+
+
+def test_a_remote_shard_is_downloaded_once_per_host(big, tmp_path, monkeypatch):
+    """Processes of one host that need the same remote shard at once: one downloads under the file lock,
+    the others find its copy (threads stand in for processes: flock locks open files, not processes)."""
+    import threading
+
+    entry = read_manifest(big)["splits"]["train"][0]
+    url = f"pipe:cat {big}/{entry['name']}"
+    opened = []
+    real_open = shard_index.open_shard
+
+    def slow_open(location):
+        opened.append(location)
+        time.sleep(0.3)  # the others arrive while this download holds the lock
+        return real_open(location)
+
+    monkeypatch.setattr(shard_index, "open_shard", slow_open)
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(shard_index.stage_remote(url, entry, tmp_path)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(opened) == 1 and len(set(results)) == 1 and len(results) == 4
+    assert results[0].read_bytes() == (big / entry["name"]).read_bytes()
+
+
+def test_open_shards_are_bounded_least_recently_used_first(big, monkeypatch):
+    monkeypatch.setattr(shard_index, "OPEN_SHARDS", 2)
+    train = read_manifest(big)["splits"]["train"]
+    files = shard_index.ShardFiles(None)
+    opened = [files.get(str(big / e["name"]), e, e["n_tokens"], VOCAB) for e in train[:2]]
+    files.get(str(big / train[0]["name"]), train[0], train[0]["n_tokens"], VOCAB)  # 0 used again
+    files.get(str(big / train[2]["name"]), train[2], train[2]["n_tokens"], VOCAB)
+    assert opened[1].fd is None and opened[0].fd is not None  # shard 1 was the least recently used
+    files.close()
+    assert opened[0].fd is None
+
+
+def test_a_checkpoint_from_before_window_order_resumes_in_its_own_order(
+    world1, builtin_cache, tmp_path, capsys
+):
+    """The trainer's side of keep_window_order: a checkpoint whose data contract has no window_order (as
+    written before it existed) resumes reading the numpy order, and says so; a new run reads keyed."""
+    import hashlib
+
+    from multiproc import in_process_config
+
+    from goat_dist.trainer.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    first = Trainer(in_process_config(builtin_cache, run_dir, "train.max_steps=2"))
+    assert first.contract["window_order"] == "keyed"
+    first.fit()
+    step_dir = run_dir / "checkpoints" / "step_00000002"
+    state_path = step_dir / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    del state["data_contract"]["window_order"]
+    state_path.write_text(json.dumps(state))
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    data = state_path.read_bytes()
+    manifest["files"]["trainer_state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    again = Trainer(in_process_config(builtin_cache, run_dir, "train.max_steps=4"))
+    assert again.cfg.data.window_order == again.contract["window_order"] == "numpy"
+    assert "data.window_order=numpy" in capsys.readouterr().out
+    it = again.start_loop()
+    assert again._train_loader.dataset.schedules[0].window_order == "numpy"
+    del it

@@ -36,6 +36,13 @@ def test_config_error_missing_data_source_names_the_setting(tmp_path, builtin_ca
     one_clean_message(proc, "data.source=", "manifest.json not found", "goat-dist data prepare")
 
 
+def test_goat_debug_shows_the_traceback_too(tmp_path, builtin_cache):
+    proc = train(
+        tmp_path, f"data.source={tmp_path / 'nope'}", f"data.cache_dir={builtin_cache}", GOAT_DEBUG="1"
+    )
+    assert "Traceback" in proc.stderr and proc.stderr.count(PREFIX) == 1, proc.stderr[-3000:]
+
+
 def test_config_error_vocabulary_mismatch_names_the_fix(tmp_path, builtin_cache):
     data = next(p.parent for p in builtin_cache.glob("*/manifest.json"))
     proc = train(tmp_path, f"data.source={data}", "model.vocab_size=300", f"data.cache_dir={builtin_cache}")
