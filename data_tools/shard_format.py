@@ -198,8 +198,11 @@ def scan_index(path: str | os.PathLike) -> tuple[np.ndarray, ShardError | None]:
     return make_index(offsets, counts, size), None
 
 
-def check_index(index: np.ndarray, where: str, shard_bytes: int | None, n_tokens: int | None) -> np.ndarray:
-    """`index` if it is a well-formed index of a shard of that size and token count, else ShardError."""
+def check_index(
+    index: np.ndarray, where: str, shard_bytes: int | None, n_tokens: int | None, rows: bool = True
+) -> np.ndarray:
+    """`index` if it is a well-formed index of a shard of that size and token count, else ShardError.
+    `rows=False` checks the shape and the last row only (a memory-mapped index is not read whole)."""
     if index.dtype != np.int64 or index.ndim != 2 or index.shape[1] != 2 or index.shape[0] < 1:
         raise ShardError(
             f"shard index {where}: not an int64 (n_docs + 1, 2) array: {index.dtype} {index.shape}"
@@ -209,6 +212,8 @@ def check_index(index: np.ndarray, where: str, shard_bytes: int | None, n_tokens
         raise ShardError(f"shard index {where} is for a {size}-byte shard; the shard has {shard_bytes} bytes")
     if n_tokens is not None and tokens != n_tokens:
         raise ShardError(f"shard index {where} counts {tokens} tokens; the manifest lists {n_tokens}")
+    if not rows:
+        return index
     starts, offsets = index[:, 1], index[:-1, 0]
     if starts[0] != 0 or np.any(np.diff(starts) <= 0) or np.any(offsets < 512) or np.any(offsets >= size):
         raise ShardError(f"shard index {where}: its rows are not documents of a {size}-byte shard")

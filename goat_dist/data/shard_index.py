@@ -7,8 +7,9 @@ decoded from the start of the shard to find them).
 
 Where an index comes from:
   * prepared data sets list it in the manifest ("index": name, bytes, sha256; written by
-    ``data_tools.writer``); it is read whole once per process and checked against its sha256, the
-    shard's size and token count;
+    ``data_tools.writer``); it is memory-mapped (a lookup reads the pages its binary search touches,
+    shared through the node's page cache) and checked at open against the manifest's size, the shard's
+    size and token count (`goat-dist data inspect` checks its sha256 and every row);
   * shards made before the index existed get one built by a header scan on first open
     (``shard_format.scan_index``: 512 bytes per document), cached in
     ``<cache_dir>/shard-index/`` under the shard's path, size and mtime, so a replaced shard is scanned
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import logging
 import os
 import tarfile
@@ -84,19 +84,20 @@ def stage_remote(url: str, entry: dict, cache_dir: Path) -> Path:
 
 
 def _load_listed_index(path: Path, listed: dict, size: int, n_tokens: int) -> np.ndarray:
-    """The index a prepared data set lists beside the shard, checked against the manifest."""
+    """The index a prepared data set lists beside the shard, memory-mapped: a lookup reads only the pages
+    its binary search touches (served by the node's page cache to every process of the node), not the
+    whole index. Checked at open against the manifest's size for the file and the shard's size and token
+    count in its last row; its sha256 and every row are checked by `goat-dist data inspect`, as the
+    shards' own checksums are."""
     where = path.parent / listed["name"]
     try:
-        data = where.read_bytes()
-    except OSError as exn:
-        raise ShardError(f"shard index {where} (listed in the manifest) cannot be read: {exn}") from exn
-    if "sha256" in listed and hashlib.sha256(data).hexdigest() != listed["sha256"]:
-        raise ShardError(f"shard index {where} does not match the manifest's sha256")
-    try:
-        index = np.load(io.BytesIO(data), allow_pickle=False)
+        actual = where.stat().st_size
+        if "bytes" in listed and actual != listed["bytes"]:
+            raise ShardError(f"shard index {where} has {actual} bytes, the manifest lists {listed['bytes']}")
+        index = np.load(where, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as exn:
-        raise ShardError(f"shard index {where} is not an index file: {exn}") from exn
-    return check_index(index, str(where), size, n_tokens)
+        raise ShardError(f"shard index {where} (listed in the manifest) cannot be read: {exn}") from exn
+    return check_index(index, str(where), size, n_tokens, rows=False)
 
 
 def _scanned_index(path: Path, n_tokens: int, cache_dir: Path | None):
@@ -176,11 +177,13 @@ class ShardFile:
             if error is not None:
                 self.readable_until = int(self.index[-1, 1])
                 raise error
+        expected = entry.get("bytes")
+        if size == int(self.index[-1, 0]) and (expected is None or size == expected):
+            return  # the shard the index describes: every document lies inside it (data inspect checks)
         n_docs = len(self.index) - 1
         ends = self.index[:-1, 0] + np.diff(self.index[:, 1]) * self.dtype.itemsize
         bad = int(np.searchsorted(ends > size, True))  # ends ascend: the flags are False..., True...
         self.readable_until = int(self.index[bad, 1])
-        expected = entry.get("bytes")
         if bad < n_docs or (expected is not None and size != expected):
             key = _member_key(self.fd, int(self.index[bad, 0])) if bad < n_docs else None
             sample = f"; the first document past its end: sample {key!r}" if key else ""
