@@ -246,7 +246,7 @@ def test_vocab_size_defaults_to_the_manifest(llama_dataset, tmp_path):
     assert load_config(TINY_YAML, [f"data.source={llama_dataset}"]).model.vocab_size == 4096
     small = load_config(None, [f"data.source={llama_dataset}", f"model.vocab_size={vocab - 1}"])
     assert small.model.vocab_size == vocab - 1
-    with pytest.raises(ConfigError, match=f"vocab_size {vocab} but model.vocab_size is {vocab - 1}"):
+    with pytest.raises(ConfigError, match=f"vocab_size {vocab}, larger than model.vocab_size={vocab - 1}"):
         data_sources(small, SimpleNamespace(is_main=True))
     with pytest.raises(ConfigError, match="model.vocab_size"):
         load_config(None, ["model.vocab_size=0"])
