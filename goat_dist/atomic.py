@@ -73,18 +73,19 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def file_problem(
-    path: str | os.PathLike, size: int, sha256: str | None, checksums: bool = True
+    path: str | os.PathLike, size: int, sha256: str | None, checksums: bool = True, name: str | None = None
 ) -> str | None:
     """What is wrong with ``path`` against its recorded size and sha256, or None when it matches.
 
     The one check behind every manifest (data shards, checkpoints): callers add which manifest and step.
-    """
+    ``name`` is how the message names the file (default: its base name)."""
     path = Path(path)
+    name = name or path.name
     if not path.is_file():
-        return f"{path.name} is missing"
+        return f"{name} is missing"
     actual = path.stat().st_size
     if actual != size:
-        return f"{path.name} has {actual} bytes, expected {size} (truncated?)"
+        return f"{name} has {actual} bytes, expected {size} (truncated?)"
     if checksums and sha256 is not None and sha256_file(path) != sha256:
-        return f"{path.name} does not match its sha256"
+        return f"{name} does not match its sha256"
     return None

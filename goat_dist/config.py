@@ -144,7 +144,9 @@ class CheckpointConfig:
     interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
     keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
     save_at_end: bool = True
-    universal: bool = True  # also save a layout-independent copy (resume on another TP/DP/ZeRO, export)
+    # kept so that older config.yaml files load: every checkpoint is layout-independent now (one copy of the
+    # state, each rank writing its own share); ``false`` is refused, naming why
+    universal: bool = True
     # the config key is ``checkpoint.async`` (a Python keyword, so the field has another name; both work):
     # stage the save in host memory and write it in the background while training continues
     async_save: bool = False
@@ -367,6 +369,11 @@ def validate(cfg: Config) -> None:
     _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.data_resume", t.data_resume, DATA_RESUME)
+    if not cfg.checkpoint.universal:
+        raise ConfigError(
+            "checkpoint.universal=false is no longer an option: a checkpoint is one layout-independent copy "
+            "of the state (each rank writes its own share), with no separate copy to turn off; remove the key"
+        )
     for i, src in enumerate(cfg.data.sources or []):
         if not isinstance(src, dict) or set(src) - {"path", "weight"} or "path" not in src:
             raise ConfigError(

@@ -34,7 +34,7 @@ def test_export_load_logits_match_training_model(world1, tmp_path):
     state = {"step": 3, "run_state": {}, "world": 1, "tp": 1, "dp": 1, "zero_stage": 0}
     manager.save(engine, state, yaml.safe_dump(cfg.to_dict()))
     info = inspect(tmp_path / "run")
-    assert info["valid"] and info["step"] == 3 and info["universal"]
+    assert info["valid"] and info["step"] == 3 and info["universal"] and info["format"] == 2
 
     out = export(tmp_path / "run", tmp_path / "exported")
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 64

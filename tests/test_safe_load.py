@@ -1,5 +1,5 @@
-"""Checkpoint loading runs no code: a shard swapped for a malicious pickle (manifest rewritten to match)
-is refused by name, step and type, and its payload never executes."""
+"""Checkpoint loading runs no code: a torch file swapped for a malicious pickle (manifest rewritten to
+match) is refused by name, step and type, and its payload never executes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from multiproc import goat_train_command, run
 
 from goat_dist.checkpoint.manager import write_manifest
-from goat_dist.checkpoint.safe_load import UnsafeCheckpointError, safe_loading
+from goat_dist.checkpoint.safe_load import UnsafeCheckpointError, load
 
 
 class Payload:
@@ -23,19 +23,17 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_every_torch_load_is_weights_only_inside_safe_loading(tmp_path):
+def test_load_refuses_code_and_names_file_step_and_type(tmp_path):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
     torch.save({"state": Payload(marker)}, evil)
-    with safe_loading(step=7), pytest.raises(UnsafeCheckpointError) as info:
-        torch.load(evil, weights_only=False)  # what DeepSpeed's checkpoint engine asks for
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load(evil, step=7)
     assert "evil.pt" in str(info.value) and "step 7" in str(info.value) and "system" in str(info.value)
     assert not marker.exists()
     plain = tmp_path / "plain.pt"
-    torch.save({"w": torch.ones(2)}, plain)
-    with safe_loading():
-        assert torch.equal(torch.load(plain, weights_only=False)["w"], torch.ones(2))
-    assert torch.load is not None and "guarded" not in torch.load.__name__  # restored afterwards
+    torch.save({"w": torch.ones(2), "pos": 3, "gauss": [0, 0.5]}, plain)
+    assert torch.equal(load(plain)["w"], torch.ones(2))
 
 
 @pytest.mark.slow
@@ -45,11 +43,11 @@ def test_malicious_shard_is_refused_and_runs_nothing(tmp_path, builtin_cache):
     run(goat_train_command(1, ["train.max_steps=2", *common]))
     step_dir = run_dir / "checkpoints" / "step_00000002"
     marker = tmp_path / "pwned"
-    shard = step_dir / "mp_rank_00_model_states.pt"
-    torch.save({"module": Payload(marker)}, shard)
+    shard = step_dir / "rng_rank0.pt"  # the only torch file a resume reads: the rest is safetensors / JSON
+    torch.save({"torch_cpu": Payload(marker)}, shard)
     write_manifest(step_dir, {"step": 2, "saved_at": 0})  # the manifest is no defence: rewrite it
 
     out = run(goat_train_command(1, ["train.max_steps=4", *common]), expect=2)
-    assert "mp_rank_00_model_states.pt" in out.stderr and "step 2" in out.stderr, out.stderr[-3000:]
+    assert "rng_rank0.pt" in out.stderr and "step 2" in out.stderr, out.stderr[-3000:]
     assert "posix.system" in out.stderr or "os.system" in out.stderr
     assert not marker.exists()

@@ -25,7 +25,6 @@ OVERRIDES = [
     "data.shuffle_buffer=0",  # stream order: the corrupt shard's windows come as a run of steps
     "train.warmup_steps=50",  # the LR changes at every applied step: a scheduler step shows
     "log.interval=1",
-    "checkpoint.universal=false",
     f"train.max_steps={STEPS}",
 ]
 

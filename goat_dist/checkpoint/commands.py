@@ -24,7 +24,13 @@ def cmd_inspect(args) -> int:
             )
         if info.get("bytes") is not None:
             size = info["bytes"] / 2**20
-            print(f"files {info['files']} | {size:.1f} MiB | universal state: {info['universal']}")
+            kind = {
+                0: "DeepSpeed shards only, not readable",
+                1: "one file per TP rank",
+                2: "one file per rank",
+            }
+            name = kind.get(info["format"], "unknown")
+            print(f"files {info['files']} | {size:.1f} MiB | format {info['format']} ({name})")
         print("valid" if info["valid"] else f"INVALID: {info['error']}")
     return 0 if info["valid"] else 1
 

@@ -2,19 +2,18 @@
 
 Why: hashing every file of every rank on rank 0 alone reads the whole checkpoint through one process
 (~110 GB at 7B) while every other rank waits in a barrier, long enough to risk a collective timeout.
-Instead each rank hashes a share of the step directory's files, and the results are gathered:
+Instead:
 
-- Saving (``digest_files``): rank 0 lists the directory and broadcasts the list; every rank hashes its
-  share (``shares``: deterministic, balanced by bytes, largest files first); rank 0 receives every digest
-  and writes the manifest. Files a rank already hashed right after writing them (the background writer
-  of an async save, ``staging.py``) are passed in as ``known`` and not read again.
+- Saving (``digest_files``): every rank hashes the files it wrote as it writes them (``tensor_file``, the
+  background writer of an async save) and passes those digests as ``known``; so the hashing is balanced as
+  the writes are (each rank ~1/world of the state). Rank 0 lists the directory and broadcasts the list;
+  anything not yet hashed (the small run files) is shared out (``shares``: deterministic, balanced by
+  bytes, largest files first); rank 0 receives every digest and writes the manifest.
 - Loading (``verify``): every rank checks every file's size; checksums are split into the same shares.
   A problem found on any rank is raised on every rank with the same message, naming the file and the step
   (``raise_everywhere``), so all ranks stop together.
 
 Without a process group (``goat-dist ckpt inspect``, export, tools) everything runs in the one process.
-A single file is hashed by one rank: the largest file bounds the time (DeepSpeed writes one file per rank
-and universal/ one per TP rank, so at scale the files are many and of similar size).
 """
 
 from __future__ import annotations
@@ -147,7 +146,7 @@ def _problem(step_dir: Path, manifest: dict, checksums: set[str] | bool) -> str:
     (a set of names, or all/none)."""
     for name, meta in manifest["files"].items():
         hashed = checksums if isinstance(checksums, bool) else name in checksums
-        problem = file_problem(step_dir / name, meta["bytes"], meta["sha256"], checksums=hashed)
+        problem = file_problem(step_dir / name, meta["bytes"], meta["sha256"], checksums=hashed, name=name)
         if problem:
             return f"checkpoint {step_dir} (step {manifest.get('step')}): {problem}"
     return ""

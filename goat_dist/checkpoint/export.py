@@ -49,7 +49,14 @@ def inspect(path: str | Path, checksums: bool = True) -> dict:
             consumed_samples=run.get("consumed_samples"),
             consumed_tokens=run.get("consumed_tokens"),
         )
-    info["universal"] = (step_dir / "universal" / "meta.json").is_file()
+    meta_path = step_dir / "universal" / "meta.json"
+    info["universal"] = meta_path.is_file()
+    info["format"] = 0  # DeepSpeed's own shards only (an earlier release, checkpoint.universal=false)
+    if info["universal"]:
+        try:
+            info["format"] = int(json.loads(meta_path.read_text()).get("format", 1))
+        except (ValueError, TypeError, AttributeError) as e:
+            info.update(valid=False, error=f"{meta_path}: not a valid universal index: {e}")
     return info
 
 
@@ -114,8 +121,7 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "g
         raise ValueError(f"export dtype {dtype!r}: expected fp32 or bf16")
     step_dir = resolve_step_dir(path)
     verify(step_dir)
-    if not (step_dir / "universal" / "meta.json").is_file():
-        raise CheckpointError(f"{step_dir}: no universal/ state to export (checkpoint.universal was off)")
+    universal.require_state(step_dir, "export it")
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
     full, _ = universal.read_full(step_dir, ("",))
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -77,10 +77,7 @@ def init_weights(engine, model, step_dir: Path, optimizer: bool) -> dict:
     error = ""
     try:
         verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
-        if not (step_dir / "universal" / "meta.json").is_file():
-            raise CheckpointError(
-                f"{step_dir} has no universal/ state (checkpoint.universal was off): train.init_from needs it"
-            )
+        universal.require_state(step_dir, "start train.init_from from it")
     except CheckpointError as e:
         error = str(e)
     raise_everywhere(error)

@@ -2,7 +2,8 @@
 
 Layout of ``<run_dir>/checkpoints/``::
 
-    step_00000020/           DeepSpeed's shards (each rank writes its own model/optimizer files),
+    step_00000020/           universal/rank<R>.safetensors (each rank its own share of the fp32 masters
+                             and Adam moments, no gather) + universal/meta.json (``universal.py``),
                              rng_rank<R>.pt (every rank), trainer_state.json, config.yaml,
                              manifest.json (sizes + sha256 of every file; written last)
     latest                   the tag of the newest complete checkpoint (temp + fsync + rename)
@@ -13,8 +14,10 @@ A checkpoint counts only once ``latest`` names it, which happens after every ran
 the manifest exists: a crash at any point before leaves the previous checkpoint as ``latest``. Which
 checkpoint to resume from is decided on rank 0 (resume.py); ``keep_last`` counts only the run's lineage.
 
-The manifest's sha256s are computed by every rank in parallel, each a share of the files, and gathered
-on rank 0 (``digests.py``); a resume checks every size on every rank and the checksums in shares too.
+Each rank hashes the files it wrote as it writes them (so the hashing is balanced as the writes are), and
+rank 0 gathers the digests and hashes the few small files of its own (``digests.py``); a resume checks
+every size on every rank and the checksums in shares too. One copy of the state is written (12 bytes per
+parameter), each rank writing ~1/world of it; a resume on the same layout reads back exactly its own file.
 
 ``save_async`` (``checkpoint.async=true``) stages the state in host memory and returns; a background
 thread per rank writes and hashes the files (``staging.py``), and ``poll`` (at step boundaries) or
@@ -40,14 +43,11 @@ from .errors import CheckpointError
 from .names import LATEST, MANIFEST, SAVE_COST, STALE, STATE, tag_for
 from .resume import agree_on_checkpoint
 from .safe_load import load as safe_load
-from .safe_load import safe_loading
-from .safe_load import scan as scan_pickles
 
 __all__ = ["MANIFEST", "STATE", "CheckpointError", "CheckpointManager", "tag_for", "verify", "write_manifest"]
 
-# what must match for DeepSpeed's own shards to load (bit-exact); otherwise the universal state is used.
-# ``precision`` and ``param_groups`` (the optimizer's group names) are absent from older checkpoints,
-# which therefore resume through universal/.
+# what must match for every rank to continue exactly where it was, its RNG states included; any other
+# layout reads the same files re-split (its RNG starts from the run's seed).
 LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage", "precision", "param_groups")
 
 
@@ -72,11 +72,10 @@ class PendingSave:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True, universal: bool = True):
+    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.is_main = is_main
-        self.universal = universal
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
         self.pending: PendingSave | None = None  # an asynchronous save not yet published
         self.last_save_s: float | None = None  # the last published save, start to publish
@@ -152,13 +151,13 @@ class CheckpointManager:
         started = time.perf_counter()
         step = trainer_state["step"]
         step_dir = self._begin_save(trainer_state)
-        engine.save_checkpoint(str(self.root), tag=step_dir.name, client_state={}, save_latest=False)
-        if self.universal:
-            universal.save(engine, engine.module, step_dir, step)
-        torch.save(rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
+        known = universal.save(engine, engine.module, step_dir, step)
+        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
+        torch.save(rng.capture(), rng_file)
+        known[rng_file.name] = digest(rng_file)
         self._write_run_files(step_dir, trainer_state, config_text)
         dist.barrier()  # every shard is on disk
-        self._publish(step_dir, step, {}, "", fault_hook)
+        self._publish(step_dir, step, known, "", fault_hook)
         self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
         self._record_cost(step)
         return step_dir
@@ -167,7 +166,7 @@ class CheckpointManager:
         """Collective: stage this step's checkpoint in host memory and return; the files are written in the
         background and published by ``poll`` or ``wait``. Returns the (not yet published) step directory;
         ``trainer_state["last_save_s"]`` is the pause (staging) the caller saw."""
-        from .staging import BackgroundWriter, HostBuffers, queue_torch_save, stage_universal, staging_engine
+        from .staging import BackgroundWriter, HostBuffers, queue_torch_save, stage_universal
 
         self.wait()
         started = time.perf_counter()
@@ -175,10 +174,7 @@ class CheckpointManager:
         step_dir = self._begin_save(trainer_state)
         self._buffers = self._buffers or HostBuffers()
         writer = BackgroundWriter(step_dir, self._buffers, fault_hook)
-        with staging_engine(engine, writer):
-            engine.save_checkpoint(str(self.root), tag=step_dir.name, client_state={}, save_latest=False)
-        if self.universal:
-            stage_universal(engine, engine.module, step_dir, step, writer)
+        stage_universal(engine, engine.module, step_dir, step, writer)
         queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
         self._write_run_files(step_dir, trainer_state, config_text)
         writer.start()
@@ -233,40 +229,24 @@ class CheckpointManager:
     def load(self, engine, step_dir: Path, layout: dict) -> dict:
         """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state."""
         step_dir = Path(step_dir)
-        manifest = verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
-        error = ""
-        if self.is_main:  # before any rank unpickles anything: a refused file stops every rank
-            try:
-                scan_pickles(step_dir, manifest.get("step"))
-            except CheckpointError as e:
-                error = str(e)
-        raise_everywhere(error)
+        verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
         state = json.loads((step_dir / STATE).read_text())
+        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
+        rng_state, error = None, ""
+        try:  # before anything is loaded: a refused file on any rank stops every rank
+            rng_state = safe_load(rng_file, state["step"]) if rng_file.is_file() else None
+        except CheckpointError as e:
+            error = str(e)
+        raise_everywhere(error)
+        universal.require_state(step_dir, "resume from it")
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
         same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}
-        if same:  # the same layout: DeepSpeed's own shards, bit-exact
-            with safe_loading(state["step"]):
-                path, _ = engine.load_checkpoint(
-                    str(step_dir.parent),
-                    tag=step_dir.name,
-                    load_optimizer_states=True,
-                    load_lr_scheduler_states=True,
-                )
-            if path is None:
-                raise CheckpointError(f"DeepSpeed could not load {step_dir}")
-            rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
-            if rng_file.is_file():
-                rng.restore(safe_load(rng_file, state["step"]))
-        else:  # another layout: merge and re-split the layout-independent copy
-            if not (step_dir / "universal" / "meta.json").is_file():
-                raise CheckpointError(
-                    f"checkpoint {step_dir} was saved with layout {saved}, this run is {layout}, and it has "
-                    "no universal/ state (checkpoint.universal was off): resume it on its own layout"
-                )
-            if self.is_main:
-                changed = {
-                    k: f"{saved[k]} -> {layout.get(k)}" for k in LAYOUT_KEYS if saved[k] != layout.get(k)
-                }
-                print(f"checkpoint {step_dir}: layout differs ({changed}); loading its universal/ state")
-            universal.load(engine, engine.module, step_dir, state["step"])
+        if not same and self.is_main:
+            changed = {k: f"{saved[k]} -> {layout.get(k)}" for k in LAYOUT_KEYS if saved[k] != layout.get(k)}
+            print(
+                f"checkpoint {step_dir}: layout differs ({changed}); re-splitting its state for this layout"
+            )
+        universal.load(engine, engine.module, step_dir, state["step"])
+        if same and rng_state is not None:
+            rng.restore(rng_state)
         return state

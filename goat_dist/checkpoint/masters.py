@@ -59,6 +59,7 @@ def _adam_state(opt: torch.optim.Optimizer, key_tensor: torch.Tensor) -> dict:
 
 class MasterLayout:
     name = ""
+    replicated = False  # every data-parallel rank holds the whole TP slice (no ZeRO partitioning)
 
     def __init__(self, engine):
         self.engine = engine
@@ -70,7 +71,17 @@ class MasterLayout:
         raise NotImplementedError
 
     def owned(self, p) -> list[Owned]:
+        """The ranges of ``p`` this rank holds, with the tensors a load writes them into."""
         raise NotImplementedError
+
+    def pieces(self, p) -> list[Owned]:
+        """The ranges of ``p`` this rank holds, as live views to save (no state is changed)."""
+        return self.owned(p)
+
+    def adam_step(self) -> float | None:
+        """Adam's step counter on this rank (every group steps together), or None before the first step."""
+        steps = [float(torch.as_tensor(s["step"])) for s in self.base.state.values() if "step" in s]
+        return max(steps) if steps else None
 
     def prepare(self) -> None:
         """Before reading or writing: Adam's state exists and DeepSpeed's views of it are current."""
@@ -86,6 +97,7 @@ class PlainAdam(MasterLayout):
     """fp32 without ZeRO: the parameter is its own master."""
 
     name = "fp32 ZeRO-0 (torch optimizer)"
+    replicated = True
 
     def full(self, p):
         state = self.base.state.get(p, {})
@@ -101,6 +113,7 @@ class UnfusedMasters(MasterLayout):
     """bf16 without ZeRO (FP16_UnfusedOptimizer): separate fp32 clones, Adam keyed by the clones."""
 
     name = "bf16 ZeRO-0 (FP16_UnfusedOptimizer)"
+    replicated = True
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -185,7 +198,7 @@ class Zero3(MasterLayout):
 
         return {"": safe_get_full_fp32_param(p), **{m: safe_get_full_optimizer_state(p, m) for m in MOMENTS}}
 
-    def owned(self, p):
+    def _parts(self, p) -> tuple[dict[str, torch.Tensor], int, int]:
         parts = {
             k: self.opt._get_fp32_opt_state_partition(
                 p, release_swap_buffers=False, optim_state_key=k or None
@@ -193,6 +206,14 @@ class Zero3(MasterLayout):
             for k in KEYS
         }
         start, numel = partition_span(p, self.opt._get_param_partition_rank(p))
+        return parts, start, numel
+
+    def pieces(self, p):
+        parts, start, numel = self._parts(p)
+        return [Owned(start, numel, {k: t.view(-1)[:numel] for k, t in parts.items()})] if numel else []
+
+    def owned(self, p):
+        parts, start, numel = self._parts(p)
         with torch.no_grad():
             for t in (*parts.values(), p.ds_tensor):
                 t.view(-1)[numel:].zero_()  # DeepSpeed's padding

@@ -30,24 +30,86 @@ def tensor_key(name: str, key: str) -> str:
 
 
 class UniversalReader:
-    """The universal state of one checkpoint, as seen by TP rank ``tp_rank`` of a TP=``tp`` layout."""
+    """The universal state of one checkpoint, as seen by TP rank ``tp_rank`` of a TP=``tp`` layout.
+
+    Two on-disk formats are read (``universal.py``): format 2, where every rank of the saved layout wrote
+    its own flat pieces of its TP-local tensors (``meta.json`` lists each piece: TP rank, start, length,
+    file), and format 1, one file per saved TP rank holding its whole TP-local tensors (a format-1 file
+    is read as one piece per tensor, so both go through the same re-splitting)."""
 
     def __init__(self, step_dir: Path, tp: int, tp_rank: int):
         udir = Path(step_dir) / "universal"
         self.step_dir = Path(step_dir)
         self.meta = json.loads((udir / "meta.json").read_text())
+        self.format = int(self.meta.get("format", 1))
         self.saved_tp = int(self.meta["tp"])
         self.tp, self.tp_rank = tp, tp_rank
-        self.paths = [str(udir / f"tp{r:02d}.safetensors") for r in range(self.saved_tp)]
-        with safe_open(self.paths[0], framework="pt") as f:
-            self.shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        if self.format == 1:
+            self.paths = [str(udir / f"tp{r:02d}.safetensors") for r in range(self.saved_tp)]
+            with safe_open(self.paths[0], framework="pt") as f:
+                self.shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        elif self.format == 2:
+            self.paths = [str(udir / name) for name in self.meta["files"]]
+            self.shapes = {name: list(m["shape"]) for name, m in self.meta["params"].items()}
+            self.pieces = {
+                name: sorted((int(r), int(s), int(n), int(f)) for r, s, n, f in pieces)
+                for name, pieces in self.meta["pieces"].items()
+            }
+        else:
+            raise CheckpointError(
+                f"{self.step_dir}: universal/meta.json is format {self.format}; this goat-dist reads "
+                "formats 1 and 2 (a newer goat-dist wrote it: upgrade to resume from it)"
+            )
 
-    def _slice(self, rank: int, key: str, index) -> torch.Tensor:
-        """``file[rank][key][index]``, opening the file for this read only: while a safetensors file is
-        open, the pages its memory map touched stay mapped and count in the process's RSS. One handle kept
-        open over a whole ZeRO-3 DP=4 load held 0.6 of the checkpoint per rank; per read, 0.05."""
-        with safe_open(self.paths[rank], framework="pt") as f:
+    def _open_slice(self, path: str, key: str, index) -> torch.Tensor:
+        """``file[key][index]``, opening the file for this read only: while a safetensors file is open,
+        the pages its memory map touched stay mapped and count in the process's RSS. One handle kept open
+        over a whole ZeRO-3 DP=4 load held 0.6 of the checkpoint per rank; per read, 0.05."""
+        with safe_open(path, framework="pt") as f:
             return f.get_slice(key)[index]
+
+    def _saved_flat(self, rank: int, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of saved TP rank ``rank``'s flattened local tensor (format 2): the pieces
+        that overlap the range, each read with one slice of the file that holds it."""
+        out, cursor, gap_end = [], lo, hi
+        for r, start, numel, file in self.pieces.get(name, ()):
+            if r != rank or start + numel <= cursor or start >= hi:
+                continue
+            if start > cursor:
+                gap_end = start
+                break
+            end = min(hi, start + numel)
+            key_name = tensor_key(name, key)
+            out.append(self._open_slice(self.paths[file], key_name, slice(cursor - start, end - start)))
+            cursor = end
+            if cursor >= hi:
+                break
+        if cursor < hi:
+            raise CheckpointError(
+                f"{self.step_dir}: universal state lacks elements [{cursor}, {gap_end}) of "
+                f"{tensor_key(name, key)} on saved TP rank {rank} (meta.json lists no piece holding them)"
+            )
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _block(self, rank: int, name: str, key: str, index) -> torch.Tensor:
+        """``saved local tensor of TP rank rank``[index]; ``index`` is ``...`` (a 0-d tensor) or a tuple whose
+        first entry is a row slice (the rest slices the other dims)."""
+        k = tensor_key(name, key)
+        if self.format == 1:
+            return self._open_slice(self.paths[rank], k, index)
+        shape = self.shapes[name]
+        if not shape:
+            return self._saved_flat(rank, name, key, 0, 1).reshape(())
+        rows = index[0]
+        row = math.prod(shape[1:])
+        r0, r1 = rows.start or 0, shape[0] if rows.stop is None else min(rows.stop, shape[0])
+        block = self._saved_flat(rank, name, key, r0 * row, r1 * row).reshape(r1 - r0, *shape[1:])
+        return block[(slice(None), *index[1:])] if len(index) > 1 else block
+
+    def saved_local(self, rank: int, name: str, key: str = "") -> torch.Tensor:
+        """Saved TP rank ``rank``'s whole local tensor (one-process tools: export, tests)."""
+        shape = self.saved_shape(name, key)
+        return self._block(rank, name, key, ... if not shape else (slice(0, shape[0]),)).reshape(shape)
 
     # ---- shapes ---------------------------------------------------------------------------------------
     def split_of(self, name: str) -> dict:
@@ -60,7 +122,7 @@ class UniversalReader:
         return bool(self.split_of(name)["tp_split"]) and not (self.saved_tp == 1 and self.tp == 1)
 
     def saved_shape(self, name: str, key: str = "") -> list[int]:
-        return list(self.shapes[tensor_key(name, key)])
+        return list(self.shapes[tensor_key(name, key) if self.format == 1 else name])
 
     def local_shape(self, name: str) -> list[int]:
         shape = self.saved_shape(name)
@@ -96,11 +158,12 @@ class UniversalReader:
 
     def read_rows(self, name: str, key: str, row0: int, row1: int) -> torch.Tensor:
         """Rows ``[row0, row1)`` (dim 0) of this rank's local tensor; a 0-d tensor whole."""
-        k = tensor_key(name, key)
         if len(self.saved_shape(name)) == 0:
-            return self._slice(0, k, ...)
+            return self._block(0, name, key, ...)
         if not self._is_split(name):
-            return self._slice(self.tp_rank if self.saved_tp == self.tp else 0, k, slice(row0, row1))
+            return self._block(
+                self.tp_rank if self.saved_tp == self.tp else 0, name, key, (slice(row0, row1),)
+            )
         d = self.split_of(name)["dim"]
         local_len = self.local_shape(name)[d]
         pieces, cursor = [], 0
@@ -116,7 +179,7 @@ class UniversalReader:
             else:
                 index[0] = slice(row0, row1)
                 index[d] = slice(a, z)
-            pieces.append(self._slice(rank, k, tuple(index)))
+            pieces.append(self._block(rank, name, key, tuple(index)))
         return torch.cat(pieces, dim=d)
 
     def read_flat(self, name: str, key: str, start: int, numel: int) -> torch.Tensor:

@@ -2,16 +2,13 @@
 
 The training loop pauses only while a save's tensors are copied to host memory (on GPUs: a device-to-host
 copy into pinned buffers, reused from one save to the next); a background thread then writes the files,
-fsyncs each, reads it back and records its sha256 (so publishing need not hash it again, see
-``digests.digest_files``). Training continues meanwhile.
+fsyncs each and records its sha256 (hashed as written, or read back for files written by another
+function), so publishing need not hash it again (``digests.digest_files``). Training continues meanwhile.
 
-- DeepSpeed's model/optimizer shards: DeepSpeed writes through ``engine.checkpoint_engine``; a staging
-  engine (``staging_engine``) takes its place for the duration of ``save_checkpoint``: its ``save()``
-  stages the state dict and queues the ``torch.save``. Tensors that share storage (tied embeddings,
-  views into flat ZeRO partitions) share it in the staged copy, so the files hold what a synchronous
-  save writes.
-- The universal copy (``stage_universal``): ``universal.save`` itself (the same collectives
-  over DP), copied to host memory, written by the background thread.
+- The state (``stage_universal``): this rank's own pieces of the fp32 masters and Adam moments
+  (``universal.own_pieces``), copied into host buffers: the pause is the copy of the rank's own share,
+  with no collective but the small gather of the piece lists. The thread writes them as one
+  safetensors file, hashing as it writes (``tensor_file``).
 - The RNG states are captured (already copies) and written by the thread; ``trainer_state.json``,
   ``config.yaml`` and ``universal/meta.json`` are small and written at once.
 
@@ -22,7 +19,6 @@ flight leaves the previous checkpoint ``latest``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import queue
@@ -34,7 +30,7 @@ import torch
 
 from .digests import digest
 
-__all__ = ["BackgroundWriter", "HostBuffers", "host_copy", "stage", "stage_universal", "staging_engine"]
+__all__ = ["BackgroundWriter", "HostBuffers", "host_copy", "stage", "stage_universal"]
 
 
 class HostBuffers:
@@ -148,7 +144,8 @@ class BackgroundWriter:
         self._thread.start()
 
     def submit(self, path: Path, write) -> None:
-        """Queue ``write(path)`` (which creates the file)."""
+        """Queue ``write(path)``, which creates the file and may return its digest (``{bytes, sha256}``
+        of what it wrote, fsynced); otherwise the file is fsynced and read back to hash it."""
         with self._lock:
             self._pending += 1
             self._idle.clear()
@@ -162,11 +159,13 @@ class BackgroundWriter:
             path, write = job
             try:
                 if not self.error:
-                    write(path)
-                    with open(path, "rb+") as f:
-                        os.fsync(f.fileno())
+                    written = write(path)
+                    if not isinstance(written, dict):
+                        with open(path, "rb+") as f:
+                            os.fsync(f.fileno())
+                        written = digest(path)
                     name = str(path.relative_to(self.step_dir))
-                    self.digests[name] = digest(path)
+                    self.digests[name] = written
                     self.bytes += self.digests[name]["bytes"]
                     self._written += 1
                     if self._written == 1 and self._fault_hook is not None:
@@ -208,50 +207,14 @@ def queue_torch_save(writer: BackgroundWriter, obj, path: Path, zipfile: bool = 
     writer.submit(path, _write_torch(staged, zipfile))
 
 
-def _staging_engine_class():
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
-    class _StagingEngine(TorchCheckpointEngine):
-        """DeepSpeed's torch.save engine, except that ``save`` stages and queues the write."""
-
-        def __init__(self, original, writer: BackgroundWriter):
-            self.name = "GoatStagingEngine"
-            self.zipfile_serialization = getattr(original, "zipfile_serialization", True)
-            self.original = original
-            self.writer = writer
-
-        def save(self, state_dict, path: str):
-            queue_torch_save(self.writer, state_dict, Path(path), self.zipfile_serialization)
-
-        def load(self, path: str, map_location=None):
-            return self.original.load(path, map_location=map_location)
-
-    return _StagingEngine
-
-
-@contextlib.contextmanager
-def staging_engine(engine, writer: BackgroundWriter):
-    """Within the block, ``engine.save_checkpoint`` stages its files and queues them on ``writer``."""
-    original = engine.checkpoint_engine
-    if original.is_decoupled():
-        raise RuntimeError(f"checkpoint.async needs DeepSpeed's torch checkpoint engine, not {original.name}")
-    engine.checkpoint_engine = _staging_engine_class()(original, writer)
-    try:
-        yield
-    finally:
-        engine.checkpoint_engine = original
-
-
 def stage_universal(engine, model, step_dir: Path, step: int, writer: BackgroundWriter) -> None:
-    """Collective: ``universal.save`` with its tensors staged in host memory and its safetensors file
+    """Collective: ``universal.save`` with this rank's pieces copied to host buffers now and its file
     queued on ``writer`` (``meta.json`` is written now)."""
-    from safetensors.torch import save_file
-
     from . import universal
 
-    def write(path: Path, tensors: dict) -> None:
+    def submit(path: Path, write) -> None:
         synchronize()  # the device-to-host copies are complete before the thread reads them
-        writer.submit(path, lambda dest: save_file(tensors, str(dest)))
+        writer.submit(path, write)
 
     universal.save(
         engine,
@@ -259,5 +222,5 @@ def stage_universal(engine, model, step_dir: Path, step: int, writer: Background
         step_dir,
         step,
         to_host=lambda t: host_copy(t.detach().float(), writer.buffers),
-        write=write,
+        submit=submit,
     )

@@ -1,16 +1,33 @@
-"""Layout-independent model + optimizer state: what lets a run resume on another TP / DP / ZeRO layout or
-precision, and what ``goat-dist ckpt export`` reads.
+"""The checkpoint's model + optimizer state, written once, each rank its own share; read on any layout.
 
-Inside each checkpoint, ``universal/tp<R>.safetensors`` (written by the data-parallel rank 0 of every
-tensor-parallel rank R) holds, per parameter, this TP rank's slice gathered over data parallelism: the
-fp32 master value and Adam's ``exp_avg`` / ``exp_avg_sq``, read from wherever DeepSpeed keeps them
-(``masters.py``: never the bf16 forward weights). ``universal/meta.json`` records how each parameter is
-split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``), so a loader can re-split the
-slices for any TP size.
+Format 2 (this release). Inside each checkpoint, ``universal/rank<R>.safetensors`` is written by global
+rank R and holds only what R holds: for each parameter, the flat range of its TP-local tensor that R's
+optimizer partition owns, for the fp32 master and Adam's ``exp_avg`` / ``exp_avg_sq`` (read from wherever
+DeepSpeed keeps them, ``masters.py``: never the bf16 forward weights). No rank gathers anything: under
+ZeRO-1/2/3 the partitions are disjoint over data x context parallelism; without ZeRO every replica holds
+the whole TP slice, so each writes an even 1/(dp x cp) of every parameter's flat range. The TP slices of
+parameters that TP does not split (norms, the GOAT prior) are written by every TP rank (each its own, so
+a same-layout resume restores every rank's exact values; they are a small part of the state).
 
-Loading is sliced (``slices.py``): each rank reads only the flat ranges of its own (new-layout) tensors
-that its optimizer partition holds, so the extra host memory of a resume is about the rank's share of the
-checkpoint, not the whole merged model.
+``universal/meta.json`` (rank 0, after gathering the small piece lists) records how each parameter is
+split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and its TP-local shape, which
+file holds which flat range of which (parameter, TP rank), and the optimizer counters a bitwise resume
+needs: Adam's step, the LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves
+the trainer's step but none of these). The RNG states are ``rng_rank<R>.pt`` beside (``manager.py``).
+No loss-scaler state exists: the precisions are fp32 and bf16, neither scales the loss.
+
+Why not ``torch.distributed.checkpoint`` (DCP): DCP describes a shard as a rectangle of a global tensor
+(offsets and sizes per dimension), while a DeepSpeed ZeRO partition is a flat range of a TP-local tensor:
+it starts and ends inside rows, and under a strided TP split (fused QKV, SwiGLU's two halves) a TP slice is
+itself several blocks of the global tensor. Declaring each (parameter, TP rank) as its own 1-D tensor
+would map, but then resharding across TP is ours anyway, and DCP's ``.metadata`` is a pickle, read back
+with ``pickle.load``: loading a checkpoint would execute whatever it holds. Safetensors files plus one JSON
+index keep loading free of code execution and map each flat range to one slice read.
+
+Loading (``slices.py``) is sliced: each rank reads only the flat ranges of its own (new-layout) tensors
+that its optimizer partition holds; on the layout that saved it, that is exactly its own file. Format 1
+(``universal/tp<R>.safetensors``, one file per TP rank with whole TP-local tensors, beside DeepSpeed's own
+shards) is read the same way, as one piece per tensor.
 """
 
 from __future__ import annotations
@@ -21,14 +38,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..atomic import atomic_write_text
+from . import tensor_file
 from .masters import KEYS, MOMENTS, layout_of
 from .slices import UniversalReader, tensor_key
 
-__all__ = ["MOMENTS", "load", "merge", "read_full", "save", "split", "split_meta"]
+__all__ = ["FORMAT", "MOMENTS", "load", "merge", "read_full", "require_state", "save", "split", "split_meta"]
+
+FORMAT = 2
+COUNTERS = ("global_steps", "global_samples", "skipped_steps")  # DeepSpeed's engine step counters
+
+
+def require_state(step_dir: Path, purpose: str) -> None:
+    """A CheckpointError unless ``step_dir`` has a universal state: a checkpoint without one is format 0
+    (DeepSpeed's own shards only, saved with ``checkpoint.universal=false`` by an earlier release)."""
+    if not (Path(step_dir) / "universal" / "meta.json").is_file():
+        from .errors import CheckpointError
+
+        raise CheckpointError(
+            f"checkpoint {step_dir} has no universal/ state: it is a format-0 checkpoint (DeepSpeed's own "
+            "shards only, saved with checkpoint.universal=false by an earlier goat-dist). This release reads "
+            f"formats 1 and 2 and cannot {purpose}. Resume it once with the release that wrote it and "
+            "checkpoint.universal=true, save, then continue with this one"
+        )
 
 
 def split_meta(p) -> dict:
@@ -39,36 +72,103 @@ def split_meta(p) -> dict:
     }
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().float().cpu().contiguous()
+def file_name(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(tensors, str(path))
+def _replica() -> tuple[int, int]:
+    """(index, count) of this rank among the ranks holding the same TP slice (data x context parallel)."""
+    return (
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+    )
 
 
-def save(engine, model, step_dir: Path, step: int, to_host=_to_host, write=_write) -> None:
-    """Collective: every rank calls it. ``to_host`` (a gathered tensor -> its fp32 host copy) and ``write``
-    (path, tensors) are where an asynchronous save stages and defers the file (``staging.py``)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # one per TP rank
+def _share(start: int, numel: int, index: int, count: int) -> tuple[int, int]:
+    """Replica ``index`` of ``count``'s even part of the flat range ``[start, start + numel)``."""
+    lo, hi = numel * index // count, numel * (index + 1) // count
+    return start + lo, hi - lo
+
+
+def own_pieces(engine, model) -> tuple[list[tuple[str, int, int, dict]], dict, object]:
+    """What this rank writes: ``[(name, start, numel, {key: 1-D live tensor})]``, the parameters' meta
+    (split and TP-local shape) and the master layout. Nothing is copied or communicated."""
     masters = layout_of(engine)
     masters.prepare()
-    tensors, meta = {}, {}
+    index, count = _replica() if masters.replicated else (0, 1)
+    pieces, params = [], {}
     for name, p in model.named_parameters():
-        states = masters.full(p)  # collective over DP under ZeRO
-        meta[name] = split_meta(p)
-        if writer:
-            for key, value in states.items():
-                tensors[tensor_key(name, key)] = to_host(value)
+        shape = list(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3: the shape before partitioning
+        params[name] = {**split_meta(p), "shape": shape}
+        for owned in masters.pieces(p):
+            start, numel = _share(owned.start, owned.numel, index, count)
+            if numel > 0:
+                lo = start - owned.start
+                pieces.append((name, start, numel, {k: owned.dest[k][lo : lo + numel] for k in KEYS}))
+    return pieces, params, masters
+
+
+def _entries(pieces, to_host) -> list[tensor_file.Entry]:
+    return [
+        tensor_file.Entry(tensor_key(name, key), torch.float32, [numel], lambda t=t: to_host(t))
+        for name, _, numel, dest in pieces
+        for key, t in dest.items()
+    ]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float()
+
+
+def _record(engine, masters, step: int, params: dict, gathered: list) -> dict:
+    files, table = [], {name: [] for name in params}
+    for i, part in enumerate(gathered):
+        files.append(part["file"])
+        for name, start, numel in part["pieces"]:
+            table[name].append([part["tp"], start, numel, i])
+    scheduler = engine.lr_scheduler
+    return {
+        "format": FORMAT,
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "step": step,
+        "optimizer": masters.name,
+        "adam_step": masters.adam_step(),
+        "lr_step": None if scheduler is None else int(scheduler.last_epoch),
+        "engine": {k: int(getattr(engine, k, 0) or 0) for k in COUNTERS},
+        "params": params,
+        "files": files,
+        "pieces": table,
+    }
+
+
+def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
+    """Collective: every rank writes its own share to ``universal/rank<R>.safetensors``; rank 0 writes
+    ``meta.json``. Returns ``{relative name: {bytes, sha256}}`` of the file this rank wrote (hashed as
+    written). An asynchronous save passes ``to_host`` (a host copy in staging buffers, made now) and
+    ``submit(path, write)`` (queue the write on the background thread, which records the digest)."""
+    rank = dist.get_rank()
     out = Path(step_dir) / "universal"
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        write(out / f"tp{tp_rank:02d}.safetensors", tensors)
-    if dist.get_rank() == 0:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        record = {"tp": tp, "step": step, "optimizer": masters.name, "params": meta}
-        atomic_write_text(out / "meta.json", json.dumps(record, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    pieces, params, masters = own_pieces(engine, model)
+    mine = {
+        "file": file_name(rank),
+        "tp": parallel_state.get_tensor_model_parallel_rank(),
+        "pieces": [(name, start, numel) for name, start, numel, _ in pieces],
+    }
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        record = _record(engine, masters, step, params, gathered)
+        atomic_write_text(out / "meta.json", json.dumps(record, separators=(",", ":")))
+    path = out / file_name(rank)
+    meta = {"format": str(FORMAT), "rank": str(rank), "step": str(step)}
+    if submit is None:  # synchronous: one tensor on the host at a time
+        return {f"universal/{path.name}": tensor_file.write(path, _entries(pieces, to_host), meta)}
+    staged = [
+        (name, start, numel, {k: to_host(t) for k, t in dest.items()}) for name, start, numel, dest in pieces
+    ]
+    submit(path, lambda dest: tensor_file.write(dest, _entries(staged, lambda t: t), meta))
+    return {}
 
 
 def load(
@@ -104,9 +204,16 @@ def load(
                     if not key and "lp" in owned.dest:
                         owned.dest["lp"].copy_(piece)
                     del piece
-    masters.finish_load(step if adam_step is None else adam_step)
+    meta = reader.meta
+    if adam_step is None:  # a resume: the saved counters (older checkpoints: the trainer's step)
+        saved = meta.get("adam_step")
+        adam_step = step if saved is None else saved
+        for key, value in meta.get("engine", {}).items():
+            setattr(engine, key, value)
+    masters.finish_load(adam_step)
     if schedule:
-        _set_schedule(engine.lr_scheduler, step)
+        lr_step = meta.get("lr_step")
+        _set_schedule(engine.lr_scheduler, step if lr_step is None else int(lr_step))
 
 
 def _check_shape(reader: UniversalReader, name: str, p, step_dir: Path) -> None:
@@ -144,12 +251,13 @@ def read_full(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """Every parameter whole (TP merged), per key ("" = value, or a moment): ({name: {key: tensor}}, meta).
     For one-process tools (export); a training rank reads its slices through ``slices.UniversalReader``."""
-    udir = Path(step_dir) / "universal"
-    meta = json.loads((udir / "meta.json").read_text())
-    files = [safe_open(str(udir / f"tp{r:02d}.safetensors"), framework="pt") for r in range(meta["tp"])]
+    reader = UniversalReader(step_dir, 1, 0)
+    meta = reader.meta
     out = {}
     for name, m in meta["params"].items():
-        out[name] = {key: merge([f.get_tensor(tensor_key(name, key)) for f in files], m) for key in keys}
+        out[name] = {
+            key: merge([reader.saved_local(r, name, key) for r in range(reader.saved_tp)], m) for key in keys
+        }
     return out, meta
 
 

@@ -55,10 +55,7 @@ def _read(path: Path):
 
     step_dir = resolve_step_dir(path)
     verify(step_dir)
-    if not (step_dir / "universal" / "meta.json").is_file():
-        from ..checkpoint import CheckpointError
-
-        raise CheckpointError(f"{step_dir}: no universal/ state to evaluate (checkpoint.universal was off)")
+    universal.require_state(step_dir, "evaluate it")
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
     full, _ = universal.read_full(step_dir, ("",))
     step = json.loads((step_dir / STATE).read_text()).get("step")

@@ -66,9 +66,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.state = RunState()
         log = print if self.layout.is_main else (lambda *a, **k: None)
-        self.checkpoints = CheckpointManager(
-            self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main, universal=cfg.checkpoint.universal
-        )
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main)
         # where the run starts decides GOAT's L_train before the model exists: its own checkpoint
         # (train.resume), else train.init_from (a new run from another run's weights), else nothing
         self._start = self.checkpoints.choose_resume(cfg.train.resume)
@@ -135,7 +133,7 @@ class Trainer:
         return path
 
     def layout_record(self) -> dict:
-        """What DeepSpeed's own checkpoint shards depend on; any difference resumes through universal/."""
+        """What a bitwise resume depends on; on any other layout the checkpoint's state is re-split."""
         lay = self.layout
         return {
             "world": lay.world,
