@@ -15,7 +15,11 @@ Slurm job (``slurm/train.sbatch`` runs it first). It checks, in this order:
   size its manifest records (a stat per shard, no reads: a truncated copy fails here, not hours into
   training);
 * disk: free space on the run dir's file system for the next checkpoint, estimated from the model's
-  parameter count (``checkpoint_bytes``).
+  parameter count (``checkpoint_bytes``);
+* write: rank 0 times one process writing a temporary file in the run dir (``--write-mb``, at most a
+  quarter of the free space; fsync'd, then deleted) and records the bandwidth in
+  ``<run_dir>/checkpoints/write_bandwidth.json``, which the trainer's deadline uses for the first save's
+  time until a save has been measured (``trainer/deadline.py``).
 
 Exit status 0 when every check passed on every rank, 1 otherwise (2 for a bad config). Every failing rank
 prints its own ``FAIL`` lines with its rank and host; rank 0 prints the summary.
@@ -36,14 +40,15 @@ from pathlib import Path
 
 from .config import add_config_arguments
 
-# Bytes per parameter of one checkpoint: DeepSpeed's model + optimizer states (fp32 weights, fp32 master
-# copy or bf16 weights, Adam's two moments: ~16 B) and, with checkpoint.universal, the layout-independent
-# copy (fp32 value + exp_avg + exp_avg_sq: 12 B).
-BYTES_PER_PARAM = 16
-UNIVERSAL_BYTES_PER_PARAM = 12
+# Bytes per parameter of one checkpoint: every rank writes its share of the fp32 master weights and Adam's
+# two moments (12 B, in bf16 and fp32 training alike; ``plan/checkpoint.py`` has the per-rank arithmetic).
+BYTES_PER_PARAM = 12
 DISK_HEADROOM = 1.10  # manifests, RNG states, config copies, file-system slack
+WRITE_BANDWIDTH = "write_bandwidth.json"  # in <run_dir>/checkpoints/: the write check's measurement
+WRITE_CHUNK = 8 * 2**20  # bytes per write() of the write check
+MIN_WRITE_BYTES = 2**20  # below this (a nearly full disk) the write check is skipped
 
-CHECKS = ("devices", "rendezvous", "all-reduce", "run dir", "data", "disk")
+CHECKS = ("devices", "rendezvous", "all-reduce", "run dir", "data", "disk", "write")
 
 
 # ---- model size ---------------------------------------------------------------------------------------
@@ -106,9 +111,9 @@ def parameter_count(model_cfg, tp: int = 1) -> int:
 
 
 def checkpoint_bytes(cfg) -> int:
-    """Estimated bytes of one checkpoint of ``cfg`` (a ``Config``): parameters x (16 B + 12 B universal)."""
-    per_param = BYTES_PER_PARAM + (UNIVERSAL_BYTES_PER_PARAM if cfg.checkpoint.universal else 0)
-    return parameter_count(cfg.model, cfg.parallel.tp) * per_param
+    """Estimated bytes of one whole checkpoint of ``cfg`` (a ``Config``): parameters x 12 B (fp32 masters
+    and two Adam moments; each rank writes its share)."""
+    return parameter_count(cfg.model, cfg.parallel.tp) * BYTES_PER_PARAM
 
 
 def _human(n: float) -> str:
@@ -422,6 +427,70 @@ def check_disk(report: Report, cfg, run_dir: Path) -> None:
         report.ok("disk", what)
 
 
+def write_bandwidth_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints" / WRITE_BANDWIDTH
+
+
+def measure_write_bandwidth(run_dir: Path, nbytes: int) -> dict:
+    """One process writes ``nbytes`` to a temporary file in ``run_dir`` and fsyncs it: what a checkpoint
+    writer gets from this file system. The file is deleted; the result is a dict (bytes, seconds, B/s)."""
+    probe = run_dir / f".doctor-write-{socket.gethostname()}-{os.getpid()}"
+    chunk = os.urandom(min(WRITE_CHUNK, nbytes))  # random: a compressing file system gains nothing
+    try:
+        started = time.perf_counter()
+        with open(probe, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+        seconds = max(time.perf_counter() - started, 1e-9)
+    finally:
+        probe.unlink(missing_ok=True)
+    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds,
+            "host": socket.gethostname(), "run_dir": str(run_dir), "measured_at": time.time(),
+            "method": "one process, sequential writes, fsync"}  # fmt: skip
+
+
+def recorded_write_bandwidth(run_dir: Path) -> float | None:
+    """The write bandwidth (B/s) the doctor recorded for ``run_dir``, or None (none, unreadable, corrupt)."""
+    import json
+
+    try:
+        value = json.loads(write_bandwidth_path(run_dir).read_text())["bytes_per_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if value > 0 else None
+
+
+def check_write_bandwidth(report: Report, run_dir: Path, nbytes: int) -> None:
+    """Time a write of ``nbytes`` (at most a quarter of the free space) and record it in the run dir."""
+    import json
+
+    from .atomic import atomic_write_text
+
+    free = shutil.disk_usage(run_dir).free
+    size = min(nbytes, free // 4) // 2**20 * 2**20
+    if size < MIN_WRITE_BYTES:
+        report.warn("write", f"not measured: {_human(free)} free on {run_dir}")
+        return
+    try:
+        result = measure_write_bandwidth(run_dir, size)
+        record = write_bandwidth_path(run_dir)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(record, json.dumps(result, indent=1) + "\n")
+    except OSError as e:
+        report.fail("write", f"writing {_human(size)} to {run_dir} failed: {e}")
+        return
+    report.ok(
+        "write",
+        f"{_human(size)} in {result['seconds']:.2f} s (one process, fsync): "
+        f"{result['bytes_per_s'] / 1e6:.0f} MB/s; recorded in {record}",
+    )
+
+
 def _agree(device, value: int, op: str = "max") -> int:
     import torch
     import torch.distributed as dist
@@ -462,8 +531,11 @@ def check_shared_run_dir(report: Report, device, run_dir: Path, local_rank: int,
         path.unlink(missing_ok=True)
 
 
-def run_doctor(cfg, nbytes: int, iters: int, timeout_s: float, environ=os.environ) -> int:
-    """All checks on this rank; returns the exit status (0: all passed on every rank)."""
+def run_doctor(
+    cfg, nbytes: int, iters: int, timeout_s: float, environ=os.environ, write_bytes: int = 0
+) -> int:
+    """All checks on this rank; returns the exit status (0: all passed on every rank). ``write_bytes``:
+    the size of rank 0's write-bandwidth probe (0: not measured)."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -481,6 +553,8 @@ def run_doctor(cfg, nbytes: int, iters: int, timeout_s: float, environ=os.enviro
         check_data(report, cfg)
         if writable:
             check_disk(report, cfg, run_dir)
+        if writable and rank == 0 and write_bytes > 0:
+            check_write_bandwidth(report, run_dir, write_bytes)
     # A rank without a usable device, or outside the process group, cannot join the collectives: it
     # stops here, and the launcher (srun --kill-on-bad-exit, torchrun) ends the other ranks.
     created = not dist.is_initialized()
@@ -520,18 +594,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"goat-dist doctor: {e}", file=sys.stderr)
         return 2
-    nbytes = int(args.allreduce_mb * 2**20) if args.allreduce_mb else None
-    if nbytes is None:
-        import torch
+    import torch
 
-        nbytes = (256 if torch.cuda.is_available() else 16) * 2**20
-    return run_doctor(cfg, nbytes, args.iters, args.timeout)
+    cuda = torch.cuda.is_available()
+    nbytes = int(args.allreduce_mb * 2**20) if args.allreduce_mb else (256 if cuda else 16) * 2**20
+    write_mb = args.write_mb if args.write_mb is not None else (256 if cuda else 64)
+    if write_mb < 0:
+        print(f"goat-dist doctor: --write-mb must be >= 0, got {write_mb:g}", file=sys.stderr)
+        return 2
+    return run_doctor(cfg, nbytes, args.iters, args.timeout, write_bytes=int(write_mb * 2**20))
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "doctor",
-        help="preflight: devices, all-reduce bandwidth, run dir, data, disk (exit 1 naming what fails)",
+        help="preflight: devices, all-reduce bandwidth, run dir, data, disk, write bandwidth (exit 1 naming "
+        "what fails)",
         description=__doc__.split("\n\n")[0],
     )
     add_config_arguments(p)
@@ -539,6 +617,12 @@ def register(sub) -> None:
         "--allreduce-mb", type=float, default=None, help="all-reduce MiB (default 256 on CUDA, 16 on CPU)"
     )
     p.add_argument("--iters", type=int, default=5, help="timed all-reduces (default 5)")
+    p.add_argument(
+        "--write-mb",
+        type=float,
+        default=None,
+        help="MiB rank 0 writes to time the run dir's file system (default 256 on CUDA, 64 on CPU; 0: skip)",
+    )
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for all ranks to join (default 300)"
     )

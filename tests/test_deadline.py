@@ -210,3 +210,70 @@ def test_a_resumed_attempt_budgets_for_the_last_recorded_save(world1, builtin_ca
     fresh = Trainer(in_process_config(builtin_cache, tmp_path / "fresh", "train.max_steps=4"))
     fresh.start_loop()
     assert fresh._last_save_s is None  # nothing recorded: the deadline estimates the first save
+
+
+def _record_bandwidth(run_dir, text: str) -> None:
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints" / "write_bandwidth.json").write_text(text)
+
+
+def test_the_first_save_uses_the_doctors_write_bandwidth(tmp_path):
+    """Before any save, the estimate is the checkpoint (12 B per parameter) over the bandwidth the doctor
+    recorded for the run dir, plus the fixed overhead; without a record, 100 MB/s."""
+    from goat_dist.doctor import checkpoint_bytes, parameter_count
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, ["train.time_limit_minutes=60", "model.hidden_size=1024", "model.num_layers=24",
+                             f"run.dir={run_dir}"])  # fmt: skip
+    nbytes = checkpoint_bytes(cfg)
+    assert nbytes == 12 * parameter_count(cfg.model, cfg.parallel.tp)
+    guess = Deadline.from_config(cfg, environ={}, now=lambda: NOW, run=no_slurm)
+    assert guess.write_bytes_per_s is None
+    assert guess.first_save_estimate() == pytest.approx(dl.SAVE_OVERHEAD_S + nbytes / dl.WRITE_BYTES_PER_S)
+    _record_bandwidth(run_dir, '{"bytes_per_s": 25e6, "bytes": 67108864, "seconds": 2.68}')
+    slow = Deadline.from_config(cfg, environ={}, now=lambda: NOW, run=no_slurm)
+    assert slow.write_bytes_per_s == 25e6
+    assert slow.first_save_estimate() == pytest.approx(dl.SAVE_OVERHEAD_S + nbytes / 25e6)
+    # a measured save (this attempt's or an earlier one's, checkpoints/save_cost.json) still wins
+    assert slow.budget(1.0, 42.0) == pytest.approx(dl.SAFETY * (1.0 + 42.0) + dl.MARGIN_S)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"bytes_per_s": 0}', '{"seconds": 3}', "[]"])
+def test_a_missing_or_corrupt_bandwidth_record_falls_back_to_the_guess(tmp_path, text):
+    run_dir = tmp_path / "run"
+    _record_bandwidth(run_dir, text)
+    cfg = load_config(None, ["train.time_limit_minutes=60", f"run.dir={run_dir}"])
+    d = Deadline.from_config(cfg, environ={}, now=lambda: NOW, run=no_slurm)
+    assert d.write_bytes_per_s is None and d.write_bandwidth == dl.WRITE_BYTES_PER_S
+
+
+@pytest.mark.parametrize(
+    "environ, nodes",
+    [
+        ({}, 1),
+        ({"GROUP_WORLD_SIZE": "4", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8"}, 4),
+        ({"SLURM_NNODES": "16"}, 16),
+        ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "8"}, 8),
+        ({"SLURM_NNODES": "lots", "WORLD_SIZE": "8"}, 1),
+    ],
+)
+def test_each_node_writes_its_share(environ, nodes):
+    """Every rank writes only its share: a node's part of the checkpoint goes through one writer's
+    bandwidth, and nodes write in parallel."""
+    assert dl.nodes_of(environ) == nodes
+    d = Deadline(NOW + 10_000, "t", now=lambda: NOW, checkpoint_bytes=int(360e9), write_bytes_per_s=1e9,
+                 nodes=nodes)  # fmt: skip
+    expected = max(dl.FIRST_SAVE_MIN_S, dl.SAVE_OVERHEAD_S + 360 / nodes)
+    assert d.first_save_estimate() == pytest.approx(expected)
+
+
+def test_the_doctors_record_reaches_the_deadline(tmp_path):
+    """What goat-dist doctor writes is what the deadline reads."""
+    from goat_dist import doctor
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    doctor.check_write_bandwidth(doctor.Report(0, "h"), run_dir, 2 * 2**20)
+    cfg = load_config(None, ["train.time_limit_minutes=60", f"run.dir={run_dir}"])
+    d = Deadline.from_config(cfg, environ={}, now=lambda: NOW, run=no_slurm)
+    assert d.write_bytes_per_s == doctor.recorded_write_bandwidth(run_dir) > 0

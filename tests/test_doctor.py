@@ -58,11 +58,15 @@ def test_parameter_count_matches_the_model(world1, overrides):
 
 
 def test_checkpoint_bytes_per_parameter():
-    cfg = load_config(None, [])
-    n = doctor.parameter_count(cfg.model)
-    assert doctor.checkpoint_bytes(cfg) == n * 28  # 16 B DeepSpeed states + 12 B universal copy
-    cfg.checkpoint.universal = False
-    assert doctor.checkpoint_bytes(cfg) == n * 16
+    """One copy of the state: fp32 masters + two Adam moments, 12 B per parameter, in bf16 and fp32."""
+    from goat_dist.plan.checkpoint import checkpoint_cost
+
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(None, [f"train.precision={precision}"])
+        n = doctor.parameter_count(cfg.model)
+        assert doctor.checkpoint_bytes(cfg) == n * 12
+        planned = checkpoint_cost(cfg, world=1, gpus_per_node=1)["bytes"]  # the planner's, with metadata
+        assert 0 < planned - doctor.checkpoint_bytes(cfg) < 2e6
 
 
 # ---- single checks ----------------------------------------------------------------------------------------
@@ -98,6 +102,47 @@ def test_disk_too_small_fails(tmp_path, monkeypatch, capsys):
     r = report()
     doctor.check_disk(r, cfg, tmp_path)
     assert not r.failed and "next checkpoint" in r.lines[-1]
+
+
+def test_write_bandwidth_is_measured_and_recorded(tmp_path):
+    """The write check writes (and deletes) a file in the run dir, fsyncs it, and records one writer's
+    bandwidth atomically in checkpoints/write_bandwidth.json."""
+    import json
+
+    r = report()
+    doctor.check_write_bandwidth(r, tmp_path, 4 * 2**20)
+    assert not r.failed
+    record = json.loads((tmp_path / "checkpoints" / "write_bandwidth.json").read_text())
+    assert record["bytes"] == 4 * 2**20 and record["seconds"] > 0
+    assert record["bytes_per_s"] == pytest.approx(record["bytes"] / record["seconds"])
+    assert doctor.recorded_write_bandwidth(tmp_path) == record["bytes_per_s"]
+    assert "MB/s; recorded in" in r.lines[-1] and "4.2 MB" in r.lines[-1]
+    leftovers = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".")]
+    assert leftovers == []  # the probe is deleted, the record's temp file renamed
+
+
+def test_write_check_stays_within_the_free_space(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    sizes = []
+    real = doctor.measure_write_bandwidth
+    monkeypatch.setattr(doctor, "measure_write_bandwidth", lambda d, n: sizes.append(n) or real(d, n))
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, 16 * 2**20))
+    r = report()
+    doctor.check_write_bandwidth(r, tmp_path, 256 * 2**20)
+    assert sizes == [4 * 2**20] and not r.failed  # a quarter of the free space
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, 2**20))
+    r = report()
+    doctor.check_write_bandwidth(r, tmp_path / "full", 256 * 2**20)
+    assert sizes == [4 * 2**20] and "warn  write: not measured" in r.lines[-1]
+    assert doctor.recorded_write_bandwidth(tmp_path / "full") is None
+
+
+@pytest.mark.parametrize("text", ["not json", '{"bytes_per_s": -5}', '{"bytes_per_s": "fast"}', "{}",
+                                  '{"bytes_per_s": NaN}', '{"bytes_per_s": true}'])  # fmt: skip
+def test_a_corrupt_write_record_counts_as_none(tmp_path, text):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "write_bandwidth.json").write_text(text)
+    assert doctor.recorded_write_bandwidth(tmp_path) is None
 
 
 def test_data_checks(tmp_path, builtin_cache, capsys):
@@ -177,19 +222,45 @@ def test_data_check_names_truncated_and_missing_shards(tmp_path, builtin_cache, 
 def test_cli_registers_doctor():
     from goat_dist.cli import build_parser
 
-    args = build_parser().parse_args(["doctor", "--config", "c.yaml", "train.max_steps=3", "--iters", "2"])
+    args = build_parser().parse_args(["doctor", "--config", "c.yaml", "train.max_steps=3", "--iters", "2",
+                                      "--write-mb", "8"])  # fmt: skip
     assert args.func is doctor.cmd_doctor
-    assert (args.config, args.overrides, args.iters) == ("c.yaml", ["train.max_steps=3"], 2)
+    assert (args.config, args.overrides, args.iters, args.write_mb) == ("c.yaml", ["train.max_steps=3"], 2, 8)
+    args = build_parser().parse_args(["doctor", "--write-mb", "-1"])
+    assert doctor.cmd_doctor(args) == 2
+
+
+def test_write_mb_sets_the_probe_and_zero_skips_it(monkeypatch, tmp_path):
+    import torch
+
+    from goat_dist.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(doctor, "run_doctor", lambda *a, write_bytes, **k: seen.append(write_bytes) or 0)
+    for extra in ([], ["--write-mb", "0"], ["--write-mb", "8"]):
+        assert doctor.cmd_doctor(build_parser().parse_args(["doctor", *extra])) == 0
+    default = (256 if torch.cuda.is_available() else 64) * 2**20
+    assert seen == [default, 0, 8 * 2**20]
+    r = report()  # what write_bytes=0 means inside run_doctor: the check is not called
+    monkeypatch.undo()
+    monkeypatch.setattr(doctor, "check_write_bandwidth", lambda *a: r.fail("write", "called"))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert doctor.run_doctor(cfg, 1024, 1, 60.0, environ={}, write_bytes=0) == 0
+    assert not r.failed and not (tmp_path / "run" / "checkpoints").exists()
 
 
 # ---- whole runs -------------------------------------------------------------------------------------------
 def test_doctor_alone_passes(tmp_path, builtin_cache):
+    import json
+
     out = run_doctor(1, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={builtin_cache}"])
     assert out.returncode == 0, out.stderr[-3000:]
-    for check in ("devices", "data", "disk", "all-reduce"):
+    for check in ("devices", "data", "disk", "all-reduce", "write"):
         assert re.search(rf"^\s+ok\s+{check}:", out.stdout, re.M), out.stdout
     assert "all checks passed" in out.stdout
     assert not any(p.name.startswith(".doctor") for p in (tmp_path / "run").iterdir())  # cleaned up
+    record = json.loads((tmp_path / "run" / "checkpoints" / "write_bandwidth.json").read_text())
+    assert record["bytes"] == 64 * 2**20 and record["bytes_per_s"] > 0  # the CPU default, 64 MiB
 
 
 def test_doctor_names_what_is_wrong(tmp_path):
@@ -237,7 +308,9 @@ def test_doctor_finds_a_run_dir_not_shared_between_nodes(tmp_path, builtin_cache
     err1 = outs[1][1].decode()
     assert "FAIL run dir" in err1 and "not on a file system shared by all nodes" in err1
     assert "FAILED (run dir)" in outs[0][1].decode()  # rank 0 reports what failed elsewhere
-    assert os.listdir(tmp_path / "node0" / "runs" / "x") == []
+    # nothing left behind but rank 0's write-bandwidth record
+    assert os.listdir(tmp_path / "node0" / "runs" / "x") == ["checkpoints"]
+    assert os.listdir(tmp_path / "node0" / "runs" / "x" / "checkpoints") == ["write_bandwidth.json"]
 
 
 def test_doctor_help_runs_without_the_cli():

@@ -159,3 +159,130 @@ def test_the_verdict_words_follow_the_headroom():
         m for m in range(1, best + 1) if budget - memory_at(load_config(path), 8, m)["total"] < 0.1 * budget
     ]
     assert tight and all(verdict(m) == "tight" for m in tight)
+
+
+def test_the_planners_deepspeed_options_are_the_trainers():
+    """The byte counts assume DeepSpeed's buckets and overlap setting as the trainer configures them."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from goat_dist.plan.memory import zero_options
+    from goat_dist.trainer.parallelize import deepspeed_config
+
+    for stage in range(4):
+        cfg = load_config(None, [f"parallel.zero_stage={stage}", "model.hidden_size=128"])
+        zero = DeepSpeedZeroConfig(**deepspeed_config(cfg, 2)["zero_optimization"])
+        assert zero_options(cfg) == {"reduce_bucket_size": zero.reduce_bucket_size,
+                                     "overlap_comm": zero.overlap_comm,
+                                     "contiguous_gradients": zero.contiguous_gradients}, stage  # fmt: skip
+
+
+def test_a_zero2_rank_holds_the_whole_parameters_touching_its_partition():
+    from goat_dist.plan.memory import partition_overlap
+
+    # 15 elements over 2 ranks: partitions of 8 (padded to 2 x 2 x 4); rank 0 [0, 8) touches p0 and p1
+    assert partition_overlap([3, 10, 2], 2) == [13, 12]
+    assert partition_overlap([3, 10, 2], 4) == [13, 10, 10, 12]
+    assert partition_overlap([10, 4, 6], 2) == [10, 10]
+    assert partition_overlap([4], 4) == [4, 4, 0, 0]  # partitions of padding only hold nothing
+
+
+def test_zero1_holds_whole_gradients_until_the_boundary_and_zero2_a_second_partition():
+    """Mid-accumulation: ZeRO-1 keeps every parameter's whole gradient; ZeRO-2 its partition's whole
+    parameters, plus the next micro-batch's copy when there is one; the busiest rank is the plan's."""
+    from goat_dist.plan.memory import state_bytes, total_params
+
+    path = ROOT / "configs/models/goat_1.3b.yaml"  # bf16, DP 8
+
+    def state(stage: int, global_batch: int = 512, rank=None) -> dict:
+        over = [f"parallel.zero_stage={stage}", f"train.global_batch_size={global_batch}"]
+        return state_bytes(load_config(path, over), 8, rank=rank)
+
+    n = total_params(load_config(path).model)
+    assert state(1)["grads"] == pytest.approx(2 * n, rel=1e-4)  # not 2 n / 8 (the prior's are fp32)
+    accumulating, one_micro = state(2), state(2, global_batch=64)  # micro 8 x DP 8: no accumulation
+    assert 2 * n / 8 < accumulating["grads"] == one_micro["grads"] < 1.5 * 2 * n / 8
+    assert accumulating["buffers"] - one_micro["buffers"] == accumulating["grads"]
+    ranks = [state(2, rank=r)["total"] for r in range(8)]
+    assert max(ranks) == accumulating["total"] and min(ranks) < max(ranks)
+
+
+def test_the_logits_fp32_copy_is_counted():
+    """The loss keeps fp32 logits (counted as activations); next to them the masked fp32 copy when the
+    vocabulary is padded, or the bf16 logits being cast."""
+    from goat_dist.plan.memory import transient_bytes
+
+    def logits(*overrides):
+        cfg = load_config(None, ["model.seq_len=64", *overrides])
+        return transient_bytes(cfg, 1, 2)["logits"]
+
+    assert logits("model.vocab_size=1000", "train.precision=fp32") == 4 * 2 * 64 * 1024
+    assert logits("model.vocab_size=1000", "train.precision=bf16") == 4 * 2 * 64 * 1024
+    assert logits("model.vocab_size=1024", "train.precision=bf16") == 2 * 2 * 64 * 1024
+    assert logits("model.vocab_size=1024", "train.precision=fp32") == 0
+
+
+def test_context_parallelism_keeps_the_whole_rows_k_and_v():
+    """6.7B at 32k tokens with TP=2, CP=2: 2 (K, V) x 2 B x 32 KV heads / 2 x 128 x 32,768 tokens x 32
+    layers = 8 GiB, counted in the activations; selective checkpointing recomputes the gather."""
+    from goat_dist.plan.memory import activation_bytes
+
+    path = ROOT / "configs/models/goat_6.7b.yaml"
+    over = ["parallel.cp=2", "model.seq_len=32768", "train.micro_batch_size=1"]
+    act = activation_bytes(load_config(path, over), 1)
+    assert act["cp_kv"] == 8 * 2**30
+    assert act["total"] > act["cp_kv"] and act["layers"] > act["cp_kv"]
+    assert activation_bytes(load_config(path, over[1:]), 1)["cp_kv"] == 0
+    selective = load_config(path, [*over, "train.activation_checkpointing=selective"])
+    assert activation_bytes(selective, 1)["cp_kv"] == 0
+
+
+def test_checkpoint_figures():
+    """12 B per parameter of every TP slice; each rank writes its share (the busiest rank: rounded-up
+    partitions) and a node its ranks'; a sync save holds one tensor at a time, an async one the share."""
+    from goat_dist.plan.checkpoint import SAVE_OVERHEAD_S, checkpoint_cost
+
+    path = ROOT / "configs/models/goat_30b.yaml"
+    for stage in range(4):
+        cfg = load_config(path, [f"parallel.zero_stage={stage}"])
+        c = checkpoint_cost(cfg, world=128, gpus_per_node=8, fs_gbps=10)
+        inv = param_inventory(cfg.model, 8)
+        slice_params = sum(p.numel for p in inv)
+        assert c["bytes"] == pytest.approx(12 * 8 * slice_params, rel=1e-3)
+        assert c["bytes_per_rank"] == pytest.approx(c["bytes"] / 128, rel=1e-3)
+        assert c["bytes_per_node"] == 8 * c["bytes_per_rank"]
+        assert c["host_async_per_node"] == pytest.approx(c["bytes_per_node"], rel=1e-3)
+        largest = max(p.numel for p in inv)  # the embedding's TP slice, smaller than a ZeRO-1/2 partition
+        piece = largest if stage in (1, 2) else -(-largest // 16)  # ZeRO 0, 3: its share over DP 16
+        assert c["host_sync_per_node"] == 8 * 4 * piece
+        assert c["save_s"] == pytest.approx(c["bytes"] / 10e9 + SAVE_OVERHEAD_S)
+    cp = checkpoint_cost(load_config(path, ["parallel.cp=2"]), world=128, gpus_per_node=8)
+    assert cp["bytes_per_rank"] == pytest.approx(c["bytes"] / 128, rel=1e-3)  # CP ranks share it too
+    with pytest.raises(ValueError, match="--fs-gbps must be > 0"):
+        checkpoint_cost(cfg, 128, 8, fs_gbps=0)
+    from goat_dist.trainer import deadline
+
+    assert SAVE_OVERHEAD_S == deadline.SAVE_OVERHEAD_S  # the planner's overhead is the deadline's
+
+
+def test_plan_prints_the_checkpoint_and_takes_fs_gbps(capsys):
+    import json
+
+    from goat_dist.cli import build_parser
+
+    config = str(ROOT / "configs/models/goat_30b.yaml")
+    argv = ["plan", "--config", config, "--nodes", "16"]
+    args = build_parser().parse_args([*argv, "--json", "--fs-gbps", "20"])
+    assert args.func(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    c = plan["checkpoint"]
+    assert c["fs_gbps"] == 20 and c["save_s"] == pytest.approx(c["bytes"] / 20e9 + 5.0)
+    assert 350e9 < c["bytes"] < 370e9 and c["bytes_per_node"] == pytest.approx(c["bytes"] / 16, rel=1e-3)
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert f"checkpoint   {c['bytes'] / 1e9:.2f} GB" in text
+    assert f"{c['bytes_per_rank'] / 1e9:.2f} GB per rank, {c['bytes_per_node'] / 1e9:.2f} GB per node" in text
+    assert "host memory per node for a save: sync" in text and "async" in text
+    assert f"save ~{c['bytes'] / 10e9 + 5.0:.1f} s at 10 GB/s" in text  # the default bandwidth
+    bad = build_parser().parse_args([*argv, "--fs-gbps", "-1"])
+    assert bad.func(bad) == 2 and "--fs-gbps must be > 0" in capsys.readouterr().err

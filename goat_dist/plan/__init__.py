@@ -1,12 +1,15 @@
 """Plan a run before spending GPU hours: per-GPU memory (parameters, gradients, optimizer state per ZeRO
-stage, activations), the largest micro-batch that fits, estimated step time and MFU, and a dry run that
-builds the real model and optimizer of a large world on one CPU box. See ``docs/planner.md``."""
+stage, activations), the largest micro-batch that fits, estimated step time and MFU, what a checkpoint
+costs, and a dry run that builds the real model and optimizer of a large world on one CPU box. See
+``docs/planner.md``."""
 
+from .checkpoint import checkpoint_cost
 from .memory import activation_bytes, param_inventory, state_bytes, total_params, transient_bytes
 from .planner import format_plan, make_plan
 
 __all__ = [
     "activation_bytes",
+    "checkpoint_cost",
     "format_plan",
     "make_plan",
     "param_inventory",

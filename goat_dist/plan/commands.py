@@ -14,6 +14,7 @@ from ..config import add_config_arguments
 
 def cmd_plan(args) -> int:
     from ..config import ConfigError, load_config
+    from .checkpoint import DEFAULT_FS_GBPS
     from .dry_run import DryRunError, materialize
     from .hardware import gpu as find_gpu
     from .planner import PlanError, format_plan, make_plan
@@ -21,7 +22,8 @@ def cmd_plan(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         device = find_gpu(args.gpu)
-        plan = make_plan(cfg, args.nodes, args.gpus_per_node, device)
+        fs_gbps = DEFAULT_FS_GBPS if args.fs_gbps is None else args.fs_gbps
+        plan = make_plan(cfg, args.nodes, args.gpus_per_node, device, fs_gbps=fs_gbps)
     except (ConfigError, PlanError, ValueError) as e:
         print(f"goat-dist plan: {e}", file=sys.stderr)
         return 2
@@ -49,6 +51,13 @@ def register(sub) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu", default="h100-80gb", help="h100-80gb (default), h200, a100-80gb, a100-40gb, b200")
+    p.add_argument(
+        "--fs-gbps",
+        type=float,
+        default=None,
+        help="aggregate write bandwidth of the job's file system in GB/s, for the checkpoint's save time "
+        "(default 10: a parallel file system; measure yours with goat-dist doctor)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--materialize",

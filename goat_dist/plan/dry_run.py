@@ -23,7 +23,7 @@ import torch
 from ..config import Config
 from ..distributed import LayoutError, check_layout
 from .hardware import GIB
-from .memory import _ceil_div, _cp, _flat_partition, param_inventory, total_params
+from .memory import _ceil_div, _cp, _flat_partition, param_inventory, state_bytes, total_params
 from .planner import PlanError, memory_at
 
 
@@ -124,6 +124,52 @@ def zero_shard(cfg: Config, model, optimizer, dp: int) -> dict:
     }
 
 
+def rank_rows(cfg: Config, world: int, by_tp: dict, mem: dict) -> list[dict]:
+    """Every rank's figures: its TP rank's built shard and its own ZeRO state (ZeRO-2's differ a little)."""
+    tp = cfg.parallel.tp
+    dp = world // tp
+    states = [state_bytes(cfg, dp, rank=r)["total"] for r in range(dp)]
+    rows = []
+    for rank in range(world):
+        tp_rank, dp_rank = rank % tp, rank // tp  # megatron: TP groups are consecutive ranks
+        info = by_tp[tp_rank]
+        state = states[dp_rank]
+        rows.append({"rank": rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "params": info["params"],
+                     "zero_owned": info["owned"], "state_bytes": state,
+                     "activation_bytes": mem["activations"]["total"],
+                     "total_bytes": mem["total"] - mem["state"]["total"] + state})  # fmt: skip
+    return rows
+
+
+def _spans(values: list[int]) -> str:
+    """1,2,3,5,7,8 -> '1-3,5,7-8'."""
+    out, values = [], sorted(set(values))
+    start = prev = values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
+
+
+ROW_FIGURES = ("params", "zero_owned", "state_bytes", "activation_bytes", "total_bytes")
+
+
+def distinct_rows(ranks: list[dict]) -> list[dict]:
+    """Ranks with the same figures, as one row each: which TP and DP ranks, how many, the figures."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in ranks:
+        groups.setdefault(tuple(r[k] for k in ROW_FIGURES), []).append(r)
+    rows = []
+    for key, members in groups.items():
+        tps, dps = _spans([m["tp_rank"] for m in members]), _spans([m["dp_rank"] for m in members])
+        rows.append({"ranks": f"tp {tps} x dp {dps}", "count": len(members), **dict(zip(ROW_FIGURES, key))})
+    return rows
+
+
 def materialize(cfg: Config, world: int, log=print) -> dict:
     """Build every TP rank's model and optimizer in a fake ``world``; print per-rank shards and memory."""
     import torch.distributed as dist
@@ -150,25 +196,17 @@ def materialize(cfg: Config, world: int, log=print) -> dict:
         del model, optimizer
     built_s = time.perf_counter() - t0
     mem = memory_at(cfg, dp, cfg.train.micro_batch_size)
-    state = mem["state"]
     log(f"dry run      {world} ranks = TP {tp} x DP {dp}, ZeRO-{cfg.parallel.zero_stage}, "
         f"{cfg.train.precision}; model and AdamW built on the meta device under a fake process group "
         f"({tp} TP ranks built in {built_s:.1f} s)")  # fmt: skip
     log(f"parameters   {total_params(m):,} in the model (planned); per TP rank as built: "
         + ", ".join(f"{v['params']:,}" for v in by_tp.values())
         + f"; optimizer groups: {', '.join(by_tp[0]['groups'])}")  # fmt: skip
-    log("rank   tp  dp   params/rank   zero-owned   state GiB  activations GiB  total GiB")
-    ranks = []
-    for rank in range(world):
-        tp_rank, dp_rank = rank % tp, rank // tp  # megatron: TP groups are consecutive ranks
-        info = by_tp[tp_rank]
-        row = {"rank": rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "params": info["params"],
-               "zero_owned": info["owned"], "state_bytes": state["total"],
-               "activation_bytes": mem["activations"]["total"], "total_bytes": mem["total"]}  # fmt: skip
-        ranks.append(row)
-        log(
-            f"{rank:4d} {tp_rank:4d} {dp_rank:3d} {info['params']:13,d} {info['owned']:12,d} "
-            f"{state['total'] / GIB:11.3f} {mem['activations']['total'] / GIB:16.3f} "
-            f"{mem['total'] / GIB:10.3f}"
-        )
-    return {"world": world, "tp": tp, "dp": dp, "build_seconds": built_s, "ranks": ranks}
+    ranks = rank_rows(cfg, world, by_tp, mem)
+    rows = distinct_rows(ranks)
+    log(f"{'ranks':<24s} count   params/rank   zero-owned   state GiB  activations GiB  total GiB")
+    for row in rows:
+        log(f"{row['ranks']:<24s} {row['count']:5d} {row['params']:13,d} {row['zero_owned']:12,d} "
+            f"{row['state_bytes'] / GIB:11.3f} {row['activation_bytes'] / GIB:16.3f} "
+            f"{row['total_bytes'] / GIB:10.3f}")  # fmt: skip
+    return {"world": world, "tp": tp, "dp": dp, "build_seconds": built_s, "ranks": ranks, "rows": rows}

@@ -8,6 +8,7 @@ byte counts against DeepSpeed engines and saved-tensor hooks on CPU.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -111,6 +112,21 @@ def total_params(cfg: ModelConfig) -> int:
 
 
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------
+# DeepSpeed's options that size its buffers, as ``trainer/parallelize.deepspeed_config`` sets them (a test
+# compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, DeepSpeed's
+# defaults for the rest (``contiguous_gradients`` on; ``overlap_comm`` only at ZeRO-3, which double-buffers
+# the ZeRO-1/2 reduce bucket when on). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
+# at most ``ZERO0_ALLREDUCE_ELEMENTS`` (``engine.MEMORY_OPT_ALLREDUCE_SIZE``).
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
+
+
+def zero_options(cfg: Config) -> dict:
+    """The DeepSpeed ZeRO settings the byte counts below assume for ``cfg``."""
+    stage = cfg.parallel.zero_stage
+    return {"reduce_bucket_size": cfg.model.hidden_size**2, "overlap_comm": stage == 3,
+            "contiguous_gradients": True}  # fmt: skip
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -121,13 +137,65 @@ def _flat_partition(numel: int, dp: int) -> int:
     return _ceil_div(numel, 2 * dp) * 2
 
 
-def state_bytes(cfg: Config, dp: int) -> dict[str, int]:
-    """Per-rank bytes of parameters, gradients and optimizer state after a backward pass (the state a rank
-    holds through a step), as DeepSpeed keeps them with torch AdamW, plus its communication buckets.
+def _groups(inv: list[ParamSpec]) -> dict[str, list[int]]:
+    """Parameter sizes per optimizer group, in the order DeepSpeed flattens them (the model's order)."""
+    groups: dict[str, list[int]] = {}
+    for p in inv:
+        groups.setdefault(p.group, []).append(p.numel)
+    return groups
+
+
+def partition_overlap(sizes: list[int], dp: int) -> list[int]:
+    """Per ZeRO-1/2 rank: elements of the whole parameters that touch its partition of a group.
+
+    DeepSpeed keeps a rank's gradient partition as the gradients of every parameter that overlaps its
+    range, whole (``params_in_partition``: ``copy_grads_in_partition`` sizes ``grads_in_partition`` by
+    their full ``numel``), so a rank whose range cuts a large parameter (the embedding) holds all of it."""
+    part = _flat_partition(sum(sizes), dp)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    out = []
+    for r in range(dp):
+        lo, hi = r * part, (r + 1) * part
+        first = bisect.bisect_right(starts, lo) - 1  # the parameter holding element lo
+        last = bisect.bisect_left(starts, hi) - 1  # the last parameter starting before hi
+        first, last = max(first, 0), min(last, len(sizes) - 1)
+        out.append(starts[last + 1] - starts[first] if first < len(sizes) and last >= first else 0)
+    return out
+
+
+def _grad_bytes_per_element(cfg: Config, group: str) -> int:
+    """Gradient bytes of a group: the working dtype, except GOAT's prior, fp32 under bf16 at ZeRO 0-2."""
+    bf16 = cfg.train.precision == "bf16"
+    if group == "prior" and bf16 and cfg.parallel.zero_stage < 3:
+        return 4
+    return 2 if bf16 else 4
+
+
+def _grad_accumulation(cfg: Config, replicas: int) -> int:
+    """Micro-batches per step: ``replicas`` is DP x CP; the batch is split over DP only."""
+    dp = max(replicas // _cp(cfg), 1)
+    return max(cfg.train.global_batch_size // max(cfg.train.micro_batch_size * dp, 1), 1)
+
+
+def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]:
+    """Per-rank bytes of parameters, gradients, optimizer state and DeepSpeed's buffers at their peak
+    during gradient accumulation, as DeepSpeed keeps them with torch AdamW (``dp``: the replicas of a TP
+    slice, DP x CP). ``rank``: that replica's figures (ZeRO-2's partitions differ a little); None: the
+    busiest replica.
 
     ``bf16``: 2-byte working weights and gradients, fp32 master weights, fp32 Adam moments (DeepSpeed's
     bf16 mode); GOAT's prior keeps fp32 working weights under ZeRO 0-2. ``fp32``: no master copy at ZeRO-0
     (the optimizer steps the parameters), a flat fp32 copy per partition at ZeRO 1-3 (DeepSpeed clones it).
+
+    Gradients, read from ``deepspeed/runtime/zero/stage_1_and_2.py`` and measured mid-accumulation:
+    ZeRO-1 keeps every parameter's whole ``.grad`` until the accumulation boundary (it reduces only there)
+    plus its reduce bucket; ZeRO-2 reduces during each backward and keeps the accumulated partition
+    (``all_grad_tensors``: the whole parameters touching its range) while the next micro-batch's
+    reduced copy (``grads_in_partition``) fills next to it, and a parameter larger than the bucket waits
+    whole for its reduction; ZeRO-3 keeps a flat gradient partition, and at the end of a backward the
+    largest parameter is gathered whole with its whole gradient.
     """
     m, stage = cfg.model, cfg.parallel.zero_stage
     bf16 = cfg.train.precision == "bf16"
@@ -137,42 +205,56 @@ def state_bytes(cfg: Config, dp: int) -> dict[str, int]:
     prior = sum(p.numel for p in inv if p.group == "prior")
     # the prior's fp32 working copy (parallelize.py); under ZeRO-3 + bf16, its gathered fp32 values
     prior_extra = (4 - w) * prior if stage < 3 else (4 * prior if bf16 else 0)  # (zero3_prior.py)
-    steps = 4 * len(inv)  # torch AdamW's per-parameter fp32 `step` tensors
-    bucket = m.hidden_size**2 * w  # parallelize.deepspeed_config: reduce bucket of h^2 elements
+    groups = _groups(inv)
+    opts = zero_options(cfg)
+    bucket_elements = opts["reduce_bucket_size"]
+    bucket = bucket_elements * w * (2 if opts["overlap_comm"] and stage in (1, 2) else 1)
+    largest = max(p.numel for p in inv)
     if stage == 0:
         params = w * n + prior_extra
         grads = params
-        optimizer = (4 * n if bf16 else 0) + 8 * n + steps
+        optimizer = (4 * n if bf16 else 0) + 8 * n + 4 * len(inv)  # + torch AdamW's per-tensor `step`
         buffers = 0
     elif stage in (1, 2):
-        groups: dict[str, int] = {}
-        for p in inv:
-            groups[p.group] = groups.get(p.group, 0) + p.numel
-        part = sum(_flat_partition(size, dp) for size in groups.values())
-        params = w * sum(_flat_partition(size, dp) * dp for size in groups.values()) + prior_extra
-        grads = w * part  # the reduced gradient partition, in the gradient dtype
-        optimizer = 12 * part + steps  # fp32 master partition + two fp32 moments
-        buffers = bucket
+        part = sum(_flat_partition(sum(sizes), dp) for sizes in groups.values())
+        params = w * sum(_flat_partition(sum(sizes), dp) * dp for sizes in groups.values()) + prior_extra
+        # fp32 master partition + two fp32 moments; one `step` per flat group
+        optimizer = 12 * part + 4 * len(groups)
+        if stage == 1:
+            grads = w * n + prior_extra  # every parameter's whole gradient, until the boundary
+            buffers = bucket
+        else:
+            held = {g: partition_overlap(sizes, dp) for g, sizes in groups.items()}
+            ranks = [rank] if rank is not None else range(dp)
+            grads = max(sum(_grad_bytes_per_element(cfg, g) * held[g][r] for g in groups) for r in ranks)
+            copies = 1 if _grad_accumulation(cfg, dp) > 1 else 0  # the micro-batch's copy next to the sum
+            waiting = w * largest if largest > bucket_elements else 0
+            buffers = bucket + copies * grads + waiting
     else:
         persistent = 10 * m.hidden_size  # stage3_param_persistence_threshold (parallelize.deepspeed_config)
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
         params = w * (part + kept) + prior_extra
         grads = w * part
-        optimizer = 12 * part + steps
-        buffers = bucket
+        optimizer = 12 * part + 4 * len(groups)
+        gathered = 2 * w * largest if largest > persistent else 0  # weight + gradient, whole
+        buffers = bucket + gathered
     total = params + grads + optimizer + buffers
     return {"params": params, "grads": grads, "optimizer": optimizer, "buffers": buffers, "total": total}
 
 
 def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
-    """Peaks on top of the steady state and the saved activations (not part of the validated state):
+    """Peaks on top of the state and the saved activations (not part of the validated state):
 
-    * ``zero3_gather``: ZeRO-3 all-gathers a layer's weights for its forward/backward plus a prefetch
-      bucket (0.9 h^2 elements);
+    * ``zero3_gather``: ZeRO-3 all-gathers a layer's weights for its backward, with their gradients as
+      they are produced, and prefetches the next (0.9 h^2 elements);
+    * ``allreduce``: ZeRO-0 all-reduces the gradients at the boundary through a flat copy of at most
+      ``ZERO0_ALLREDUCE_ELEMENTS``;
     * ``fp32_grads``: bf16 mode creates fp32 gradients for the master copy at the step (all of them at
       ZeRO-0, the partition at ZeRO 1-3);
-    * ``logits``: the 2-byte logits of the bf16 LM head live next to their fp32 copy during the loss;
+    * ``logits``: the LM head's logits next to the fp32 ones the loss keeps: the fp32 copy that masks the
+      padded vocabulary columns (``model.gpt.vocab_parallel_logits``; also the masked gradient in the
+      backward), else the bf16 logits cast to fp32;
     * ``recompute``: full activation checkpointing rebuilds one layer's activations during its backward.
     """
     m, stage = cfg.model, cfg.parallel.zero_stage
@@ -182,13 +264,16 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     inv = param_inventory(m, tp)
     n = sum(p.numel for p in inv)
     layer = sum(p.numel for p in inv if p.name.startswith("blocks.0."))
-    out = {"zero3_gather": 0, "fp32_grads": 0, "logits": 0, "recompute": 0}
+    out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "recompute": 0}
     if stage == 3:
-        out["zero3_gather"] = w * (layer + int(0.9 * m.hidden_size**2))
+        out["zero3_gather"] = w * (2 * layer + int(0.9 * m.hidden_size**2))
+    if stage == 0 and dp > 1:
+        out["allreduce"] = w * min(n, ZERO0_ALLREDUCE_ELEMENTS)
     if bf16:
         out["fp32_grads"] = 4 * (n if stage == 0 else _ceil_div(n, dp))
-        vocab = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp) // tp
-        out["logits"] = 2 * micro_batch * _seq_per_rank(cfg) * vocab
+    padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp)
+    logits_bytes = 4 if padded != m.vocab_size else (2 if bf16 else 0)
+    out["logits"] = logits_bytes * micro_batch * _seq_per_rank(cfg) * (padded // tp)
     if cfg.train.activation_checkpointing == "full":
         out["recompute"] = activation_bytes(cfg, micro_batch, recompute_layer=True)["per_layer"]
     out["total"] = sum(out.values())
@@ -223,10 +308,16 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     * GOAT: the per-position Fourier features and sink-MLP activations, fp32 and not split:
       ``2R + (2M + 2) + 4 + 4 + 1 + 1`` elements and a 1-byte BOS mask; RoPE: cos and sin, ``2D`` fp32.
 
+    Context parallelism (c = ``parallel.cp`` > 1) divides every token count by c, and the kernel keeps the
+    K and V of the whole rows, all-gathered over the CP group: ``2 c H_kv D / t`` per local token in place
+    of the local k and the projection output (``parallel/context.py``; a flash kernel keeps views of the
+    gathered tensors).
+
     Outside the layers: the final norm, the LM head's input (gathered to the whole sequence when tied),
     the vocab-parallel softmax ``V / t`` in fp32 and the token/label ids. Under full checkpointing a layer
     keeps only its input ``h / t_sp``; selective checkpointing drops the kernel's q, k, output and lse and
-    the lanes but keeps the projection output (the checkpoint's input) and the output.
+    the lanes (and CP's gathered K/V) but keeps the projection output (the checkpoint's input) and the
+    output.
     """
     m, tp = cfg.model, cfg.parallel.tp
     sp = cfg.parallel.sp
@@ -248,6 +339,15 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     qkv_out = a * qkv_width(m) / tp
     kernel = a * (heads + kv) * head_dim / tp + 4 * heads / tp
     kernel_out = a * heads * head_dim / tp
+    cp = _cp(cfg)
+    gathered_kv = 2 * a * cp * kv * head_dim / tp if cp > 1 else 0.0
+    if cp > 1:
+        # the kernel keeps this rank's q and the whole rows' K and V, all-gathered (parallel/context.py):
+        # cp x the local tokens' K/V; the q/k/v projection's output is no longer kept (v is gathered)
+        kernel = a * heads * head_dim / tp + gathered_kv + 4 * heads / tp
+        qkv_kept = 0.0
+    else:
+        qkv_kept = qkv_out
     mlp = a * (4 * ffn if m.activation == "swiglu" else 2 * ffn) / tp
     lanes = 0.0
     if m.position == "goat":
@@ -262,11 +362,11 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
         # an explicit (B, H, L, L) bias (ALiBi through SDPA) or fp32 logits (eager). ``auto`` plans for a
         # GPU, where it means flash-attn: no L x L tensor for any scheme (flash computes ALiBi itself).
         quadratic = 4 * heads / tp * _seq_per_rank(cfg) * (1 if m.attention_backend != "eager" else 2)
-    full_layer = 2 * norm + linear_in + qkv_out + kernel + kernel_out + mlp + lanes + quadratic
+    full_layer = 2 * norm + linear_in + qkv_kept + kernel + kernel_out + mlp + lanes + quadratic
     if ac == "full" and not recompute_layer:
         layer = a * h / tsp
     elif ac == "selective" and not recompute_layer:
-        layer = 2 * norm + linear_in + qkv_out + kernel_out + mlp
+        layer = 2 * norm + linear_in + qkv_out + kernel_out + mlp  # the checkpoint keeps its q/k/v input
     else:
         layer = full_layer
     vocab = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp)
@@ -276,4 +376,7 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     per_layer = int(layer * tokens)
     outside = int((final + ids) * tokens + vocab / tp)  # + the padding mask over the vocabulary slice
     total = m.num_layers * per_layer + outside
-    return {"per_layer": per_layer, "layers": m.num_layers * per_layer, "outside": outside, "total": total}
+    kept_kv = ac == "none" or recompute_layer  # checkpointing the attention core recomputes the gather
+    cp_kv = int(gathered_kv * tokens) * m.num_layers if kept_kv else 0
+    return {"per_layer": per_layer, "layers": m.num_layers * per_layer, "outside": outside,
+            "cp_kv": cp_kv, "total": total}  # fmt: skip

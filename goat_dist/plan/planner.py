@@ -1,8 +1,8 @@
 """``goat-dist plan``: does a layout fit, what micro-batch is the largest that fits, how fast will it run.
 
-``make_plan(cfg, nodes, gpus_per_node, gpu)`` returns a plain dict (printed by ``format_plan``, or as
-JSON); every number comes from ``plan.memory`` (bytes) and ``observe.flops`` (FLOPs) with the formulas
-of ``docs/planner.md``.
+``make_plan(cfg, nodes, gpus_per_node, gpu, fs_gbps)`` returns a plain dict (printed by ``format_plan``,
+or as JSON); every number comes from ``plan.memory`` (bytes), ``plan.checkpoint`` (a checkpoint's bytes,
+host memory and save time) and ``observe.flops`` (FLOPs) with the formulas of ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import copy
 from ..config import Config
 from ..distributed import check_layout
 from ..observe.flops import flops_per_token
+from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
 from .memory import _cp, activation_bytes, param_inventory, state_bytes, total_params, transient_bytes
 
@@ -169,7 +170,11 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     }
 
 
-def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU) -> dict:
+def make_plan(
+    cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU, fs_gbps: float = DEFAULT_FS_GBPS
+) -> dict:
+    """The plan of ``cfg`` on ``nodes`` x ``gpus_per_node`` GPUs; ``fs_gbps``: the job's aggregate
+    file-system write bandwidth (GB/s) for the checkpoint's save time."""
     world = nodes * gpus_per_node
     auto = cfg.train.precision == "auto"
     if auto:  # auto is bf16 on CUDA, and the planner plans for GPUs
@@ -216,6 +221,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU) -> dict:
         "verdict": verdict,
         "largest_micro_batch": largest_micro_batch(cfg, replicas, gpu),
         "throughput": throughput(cfg, layout, gpu, gpus_per_node),
+        "checkpoint": checkpoint_cost(cfg, world, gpus_per_node, fs_gbps),
         "notes": notes,
     }
 
@@ -254,7 +260,9 @@ def format_plan(p: dict) -> str:
     lines += [
         f"  activations     {_gib(act['total'])}  ({act['per_layer'] / GIB:.3f} GiB per layer x "
         f"{act['layers'] // max(act['per_layer'], 1)} layers + {act['outside'] / GIB:.3f} GiB outside; "
-        f"micro-batch {lay['micro_batch']})",
+        f"micro-batch {lay['micro_batch']}"
+        + (f"; of which CP's whole-row K/V {act['cp_kv'] / GIB:.2f} GiB" if act.get("cp_kv") else "")
+        + ")",
         f"  transient       {_gib(tr['total'])}  ("
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in tr.items() if k != "total" and v)
         + ")",
@@ -270,6 +278,24 @@ def format_plan(p: dict) -> str:
         f"             {th['tokens_per_s']:,.0f} tokens/s, {th['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
         f"MFU {th['mfu']:.1%} of {th['peak_tflops']:.0f} TFLOP/s bf16 "
         f"({th['flops_per_token'] / 1e9:.2f} GFLOP per token)",
+        "",
+        *format_checkpoint(p["checkpoint"]),
     ]
     lines += [f"note         {n}" for n in p["notes"]]
     return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def format_checkpoint(c: dict) -> list[str]:
+    """The checkpoint lines of the plan: size, bytes per rank and node, host memory, save time."""
+    return [
+        f"checkpoint   {_gb(c['bytes'])} (fp32 masters + Adam moments, 12 B per parameter); written "
+        f"{_gb(c['bytes_per_rank'])} per rank, {_gb(c['bytes_per_node'])} per node",
+        f"             host memory per node for a save: sync {_gb(c['host_sync_per_node'])} (one tensor at a "
+        f"time), async {_gb(c['host_async_per_node'])} (the ranks' shares, pinned)",
+        f"             save ~{c['save_s']:.1f} s at {c['fs_gbps']:g} GB/s aggregate file-system write "
+        f"bandwidth (--fs-gbps)",
+    ]

@@ -18,9 +18,21 @@ with ``SAFETY = 1.5`` (steps and saves vary: eval steps, a loaded file system) a
 (process teardown, writing ``last_exit.json``, the job script's requeue). Checked after every step, this
 leaves room for one more step plus a save, with 50 % to spare. The save time is the run's last measured
 save: this process's, or before its first one the last save an earlier attempt of the run recorded
-(``checkpoints/save_cost.json``), so a requeued job budgets for its real save from its first step. A run
-with no save yet estimates it from the checkpoint's size (``expect_checkpoint_bytes``; from the model
-config when ``from_config`` is given the whole config) at 100 MB/s plus 5 s, never below 10 s.
+(``checkpoints/save_cost.json``), so a requeued job budgets for its real save from its first step.
+
+A run with no save yet estimates it as 5 s plus the bytes one node writes over one writer's bandwidth,
+never below 10 s (and never below two steps):
+
+* the checkpoint holds 12 B per parameter (fp32 masters and two Adam moments), and every rank writes only
+  its share, so a node writes ``1 / nodes`` of it (``expect_checkpoint_bytes`` sets the whole size;
+  ``from_config`` given the whole config computes it from the model; nodes: ``GROUP_WORLD_SIZE`` under
+  torchrun, ``SLURM_NNODES`` under Slurm, else ``WORLD_SIZE / LOCAL_WORLD_SIZE``, else 1);
+* the bandwidth is what ``goat-dist doctor`` measured for the run dir: one process writing and fsyncing
+  (``checkpoints/write_bandwidth.json``), else a conservative 100 MB/s. One writer's bandwidth is taken as
+  the node's: conservative within a node (its ranks share one stream), and it assumes that nodes write in
+  parallel without slowing each other (what a parallel file system is built for; a slower one shows in the
+  first measured save, which replaces this estimate).
+
 ``GOAT_DEADLINE_SAFETY`` / ``GOAT_DEADLINE_MARGIN_S`` override the two constants.
 """
 
@@ -37,7 +49,7 @@ SAFETY = 1.5
 MARGIN_S = 15.0
 FIRST_SAVE_MIN_S = 10.0  # the first save's estimate never goes below this
 SAVE_OVERHEAD_S = 5.0  # fixed cost of a save: directories, manifest, fsyncs, barriers
-WRITE_BYTES_PER_S = 100e6  # conservative write bandwidth of a shared file system
+WRITE_BYTES_PER_S = 100e6  # one writer's bandwidth when the doctor has not measured the run dir's
 QUERY_TIMEOUT_S = 10.0
 _FAR = 10 * 365 * 86400.0  # an "end time" this far away is Slurm's UNLIMITED
 
@@ -94,6 +106,19 @@ def _field(record: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
+def nodes_of(environ) -> int:
+    """Nodes of this job: torchrun's ``GROUP_WORLD_SIZE``, Slurm's ``SLURM_NNODES``, else WORLD_SIZE over
+    LOCAL_WORLD_SIZE, else 1 (anything unreadable counts as 1)."""
+    for key in ("GROUP_WORLD_SIZE", "SLURM_NNODES"):
+        value = environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    world, local = environ.get("WORLD_SIZE", ""), environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        return max(int(world) // int(local), 1)
+    return 1
+
+
 def _get(cfg, name: str, default=None):
     if isinstance(cfg, dict):
         return cfg.get(name, default)
@@ -109,6 +134,8 @@ class Deadline:
         safety: float = SAFETY,
         margin_s: float = MARGIN_S,
         checkpoint_bytes: int | None = None,
+        write_bytes_per_s: float | None = None,
+        nodes: int = 1,
     ):
         self.end = float(end)
         self.source = source
@@ -116,6 +143,8 @@ class Deadline:
         self.safety = safety
         self.margin_s = margin_s
         self.checkpoint_bytes = checkpoint_bytes
+        self.write_bytes_per_s = write_bytes_per_s  # the doctor's measurement; None: WRITE_BYTES_PER_S
+        self.nodes = max(int(nodes), 1)
 
     @classmethod
     def from_config(cls, train_cfg, environ=os.environ, now=time.time, run=subprocess.run) -> Deadline | None:
@@ -146,24 +175,33 @@ class Deadline:
         end, source = min(candidates)
         safety = float(environ.get("GOAT_DEADLINE_SAFETY") or SAFETY)
         margin = float(environ.get("GOAT_DEADLINE_MARGIN_S") or MARGIN_S)
-        nbytes = None
+        nbytes = bandwidth = None
         if whole is not None:
             try:
-                from ..doctor import checkpoint_bytes
+                from ..doctor import checkpoint_bytes, recorded_write_bandwidth
 
                 nbytes = checkpoint_bytes(whole)
+                bandwidth = recorded_write_bandwidth(whole.run_dir)
             except Exception:  # an estimate only; never let it stop a run
-                nbytes = None
-        return cls(end, source, now=now, safety=safety, margin_s=margin, checkpoint_bytes=nbytes)
+                nbytes = bandwidth = None
+        return cls(end, source, now=now, safety=safety, margin_s=margin, checkpoint_bytes=nbytes,
+                   write_bytes_per_s=bandwidth, nodes=nodes_of(environ))  # fmt: skip
 
     def expect_checkpoint_bytes(self, nbytes: int) -> None:
-        """Size of one checkpoint, for the first save's time estimate."""
+        """Size of one whole checkpoint (every rank's share together), for the first save's estimate."""
         self.checkpoint_bytes = int(nbytes)
 
+    @property
+    def write_bandwidth(self) -> float:
+        """Bytes per second one writer gets: the doctor's measurement, else the conservative guess."""
+        return self.write_bytes_per_s or WRITE_BYTES_PER_S
+
     def first_save_estimate(self, step_seconds: float = 0.0) -> float:
+        """The first save's seconds: a node's share of the checkpoint at one writer's bandwidth + 5 s."""
         guess = FIRST_SAVE_MIN_S
         if self.checkpoint_bytes:
-            guess = max(guess, SAVE_OVERHEAD_S + self.checkpoint_bytes / WRITE_BYTES_PER_S)
+            per_node = self.checkpoint_bytes / self.nodes
+            guess = max(guess, SAVE_OVERHEAD_S + per_node / self.write_bandwidth)
         return max(guess, 2.0 * step_seconds)
 
     def seconds_left(self) -> float:

@@ -3,6 +3,10 @@
 Counted by walking the tensors the engine actually holds (model parameters and their ZeRO-3
 partitions, ``.grad`` tensors, everything reachable from the optimizer wrapper), each storage counted
 once. This is what ZeRO shards, so the numbers show its effect directly, whatever DeepSpeed's internals.
+
+A snapshot: where it is taken matters. After the accumulation boundary's backward (gradients reduced)
+ZeRO-1 holds no gradient at all, while during the accumulation it holds every whole gradient; the
+planner's peak is validated after non-final backwards (``tests/test_plan_validation.py``).
 """
 
 from __future__ import annotations
