@@ -1,4 +1,5 @@
-"""Sharded, atomically published checkpoints (DeepSpeed shards + run state + RNG + manifest).
+"""Sharded, atomically published checkpoints: one copy of the state, each rank writing its own share
+(``universal.py``), + run state + RNG + manifest.
 
 Exports resolve lazily, so that the command line can register ``goat-dist ckpt`` without importing
 torch, megatron or DeepSpeed (``goat-dist data`` never needs them)."""
