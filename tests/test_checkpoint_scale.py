@@ -198,8 +198,8 @@ def assert_same_checkpoint(sync_dir: Path, async_dir: Path) -> None:
 
 
 def test_async_checkpoints_equal_sync_ones_and_resume_the_same(world1, builtin_cache, tmp_path):
-    """checkpoint.async=true: the checkpoints hold exactly what a synchronous save writes (DeepSpeed's
-    shards, universal/, RNG, run state), every one is published, and a resume from one continues with the
+    """checkpoint.async=true: the checkpoints hold exactly what a synchronous save writes (every rank's
+    share of universal/, RNG, run state), every one is published, and a resume from one continues with the
     uninterrupted run's losses. ``latest`` names a checkpoint with a manifest at every step boundary."""
     from goat_dist.trainer.callbacks import Callback
     from goat_dist.trainer.trainer import Trainer
