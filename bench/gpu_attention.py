@@ -8,8 +8,10 @@ kernel on q/k/v of the same head dim with no prior (``kernels.attend``): batch s
 ``2 B H (L^2 / 2) (D_qk + D_v)`` forward and 2.5x that backward (the usual flash-attn convention;
 recomputation not counted; GOAT's lanes are part of D_qk, so both count the same work). Timing: CUDA
 events, median of ``--repeats`` after ``--warmup`` calls (the first flash4 call of a shape JIT-compiles
-its kernels and is not timed). Writes ``gpu_attention.json`` and ``gpu_attention.md`` (a table) to
-``--out``; the last lines printed are GOAT / plain fwd+bwd time and flash4 / sdpa fwd+bwd TFLOP/s.
+its kernels and is not timed; a shape a kernel refuses, by an error or an ``AssertionError``, is
+recorded under ``skipped``). Writes ``gpu_attention.json`` after every row (``complete`` once all ran)
+and ``gpu_attention.md`` (a table) at the end to ``--out``; the last lines printed are GOAT / plain
+fwd+bwd time and flash4 / sdpa fwd+bwd TFLOP/s.
 
     python bench/gpu_attention.py [--lengths 2048 8192 32768] [--head-dims 64 128] [--backends ...]
 """
@@ -91,6 +93,16 @@ def measure(backend: str, L: int, D: int, plain: bool, args) -> dict:
     }
 
 
+def write_json(out: Path, device: str, cap, rows: list, skipped: dict, done: bool = False) -> None:
+    """gpu_attention.json as it stands (rewritten after every row; ``complete`` once all ran)."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": device, "capability": list(cap), "torch": torch.__version__, "complete": done,
+              "rows": rows, "skipped": skipped}  # fmt: skip
+    tmp = out / "gpu_attention.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out / "gpu_attention.json")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
@@ -111,6 +123,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     cap = torch.cuda.get_device_capability()
     rows, skipped = [], {}
+    write_json(args.out, device, cap, rows, skipped)
     for backend in args.backends:
         try:
             resolve_backend(backend)
@@ -123,11 +136,15 @@ def main(argv=None) -> int:
                 for plain in (False, True):
                     try:
                         row = measure(backend, L, D, plain, args)
-                    except (RuntimeError, ValueError) as exc:  # e.g. a head dim the kernel refuses
-                        skipped[f"{backend} D={D} L={L}"] = str(exc).splitlines()[0]
-                        print(f"{backend} D={D} L={L}: failed ({exc})", flush=True)
+                    except (RuntimeError, ValueError, AssertionError) as exc:  # FA4 refuses by assert
+                        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                        skipped[f"{backend} D={D} L={L}"] = f"{type(exc).__name__}: {why}"
+                        print(f"{backend} D={D} L={L}: failed ({type(exc).__name__}: {exc})", flush=True)
+                        torch.cuda.empty_cache()
+                        write_json(args.out, device, cap, rows, skipped)
                         break
                     rows.append(row)
+                    write_json(args.out, device, cap, rows, skipped)  # a run cut short keeps its rows
                     print(
                         f"{backend:7s} {row['attention']:5s} D={D:3d} L={L:6d} B={row['batch']:3d}  "
                         f"fwd {row['fwd_ms']:8.2f} ms {row['fwd_tflops']:7.1f} TFLOP/s  fwd+bwd "
@@ -135,10 +152,7 @@ def main(argv=None) -> int:
                         f"(first call {row['first_call_s']:.1f} s)",
                         flush=True,
                     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": device, "capability": list(cap), "torch": torch.__version__, "rows": rows,
-              "skipped": skipped}  # fmt: skip
-    (args.out / "gpu_attention.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, device, cap, rows, skipped, done=True)
     lines = [
         f"GOAT and plain attention, bf16, causal, {device} (sm_{cap[0]}{cap[1]}), torch {torch.__version__}; "
         f"H={args.heads}, H_kv={args.kv_heads}, B x L = {args.tokens}",

@@ -30,11 +30,16 @@ MICRO = {"125m": 16, "1.3b": 8}  # sequences of 2048 per micro-batch on one 80+ 
 
 
 def torchrun(args: list[str], log: Path, timeout: int) -> int:
+    """Exit code of one training run; 124 when it ran past ``timeout`` (the next run still starts)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29517"]
     cmd += ["-m", "goat_dist", "train", *args]
     with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout,
-                              cwd=ROOT)  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout,
+                                  cwd=ROOT)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[gpu_train: timed out after {timeout} s]\n")
+            return 124
     return proc.returncode
 
 

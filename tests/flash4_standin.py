@@ -20,11 +20,29 @@ Written from the documented interface of flash-attn-4 4.0.0b36 (``flash_attn_fun
 * GQA: H a multiple of H_kv, query head h reads KV head ``h // (H / H_kv)``; causal masks aligned to
   the bottom-right corner when Lq != Lk (query i sees keys j <= i + Lk - Lq);
 * head dims (``_validate_head_dims``, for 16-bit inputs: divisible by 16 / element size = 8): on compute
-  capability 9.x q/k and v dims in 8..256; on 10.x/11.x both in 8..128, or (192, 128), or (256, 256).
+  capability 9.x q/k and v dims in 8..256; on 10.x/11.x both in 8..128, or (192, 128), or (256, 256);
+  on 9.x also a v of at most 192 beside q/k of at most 96 (found by compiling: ``head_dims_supported``);
   The stand-in's ``arch`` (default 90) says which GPU it plays; FA4 states no bound for 12.x.
 
 Like the real kernel it rejects inputs other than fp16/bf16, q/k/v of different dtypes, H not a multiple
-of H_kv, mismatched shapes, unsupported head dims and cu_seqlens that are not int32. ``Flash4Standin(
+of H_kv, mismatched shapes, unsupported head dims and cu_seqlens that are not int32. Rules of the
+backward kernels, found by compiling them on CPU (``tests/fa4_compile.py``), fail like the real one, at
+the first backward pass (``AssertionError`` with the kernel's message):
+
+* GQA on 9.x: ``head_dim == head_dim_v`` (``flash_attn/cute/flash_bwd_sm90.py``, ``__init__``);
+* 10.x/11.x, with or without GQA: a v of 32 or less beside a q/k tile of 64 or 128 (``(64, 32)``,
+  ``(40, 32)``; ``(72, 32)`` compiles) fails in ``flash_bwd_sm100.py`` (MLIR "failed to perform a
+  valid division" splitting the dV tile among the warpgroups);
+* GQA on 10.x/11.x with q/k of 128 or more (the 2-CTA backward, ``interface.py``: ``use_2cta_instrs =
+  head_dim >= 128``): the dV tile is staged in fp32, ``tile_n x 2 gcd(32, tile_hdim / 2)`` floats, in
+  V's shared memory, ``tile_n x tile_hdimv`` 16-bit values, head dims rounded up to 32
+  (``flash_bwd_sm100.py``: "sdV doesn't fit in sV storage allocation (2-CTA)"); (128, 64) fails,
+  (128, 104) compiles.
+
+Misaligned or strided views are fine: the real interface copies them (``cute_dsl_utils.py``:
+``maybe_contiguous``). ``fa2_cute_interface()`` builds the older ``flash_attn/cute/interface.py`` that
+the FlashAttention-2 sdist (2.8.3.post2) installs over FA4's: its ``flash_attn_func`` has no
+``return_lse``. ``Flash4Standin(
 allow_fp32=True)`` is the explicit switch that also accepts fp32 (with the 16-bit head-dim alignment),
 for exact comparisons against sdpa at 1e-5. It does not check that tensors are on CUDA (its purpose is
 to run on CPU). Features the project does not use (qv, gather/paged KV, sliding windows, softcapping,
@@ -38,6 +56,7 @@ input dtype. Gradients (of out and lse) come from torch autograd through the sam
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import types
 
@@ -73,7 +92,41 @@ def head_dims_supported(dq: int, dv: int, arch: int, alignment: int = 8) -> bool
     if major in (10, 11):
         standard = 8 <= dq <= 128 and 8 <= dv <= 128
         return standard or (dq, dv) == (192, 128) or (dq, dv) == (256, 256)
-    return 8 <= dq <= 256 and 8 <= dv <= 256
+    # 9.x, found by compiling: q/k up to 96 run 192-row tiles (interface.py ``_tile_size_fwd_sm90``)
+    # whose accumulators exceed the registers past a v of 192 (ptxas C7602 at (64, 256))
+    return 8 <= dq <= 256 and 8 <= dv <= 256 and (dq > 96 or dv <= 192)
+
+
+def backward_refusal(dq: int, dv: int, heads: int, kv_heads: int, arch: int) -> str | None:
+    """The message of FA4's backward kernel refusing these head dims, or None (module docstring)."""
+    if dq == dv:
+        return None
+    major = arch // 10
+    tile_q = -(-dq // 32) * 32
+    if major in (10, 11) and dv <= 32 and tile_q in (64, 128):
+        return "failed to perform a valid division of the dV tile (flash_bwd_sm100.py)"
+    if heads == kv_heads:
+        return None
+    if major == 9:
+        return "GQA backward requires head_dim == head_dim_v"
+    if major in (10, 11) and dq >= 128:
+        tile_hdim, tile_hdimv = (-(-d // 32) * 32 for d in (dq, dv))
+        if tile_hdimv < 4 * math.gcd(32, tile_hdim // 2):
+            return "sdV doesn't fit in sV storage allocation (2-CTA)"
+    return None
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; the backward raises what the real backward kernel asserts."""
+
+    @staticmethod
+    def forward(ctx, x, message):
+        ctx.message = message
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError(ctx.message)
 
 
 class Flash4Standin:
@@ -125,6 +178,13 @@ class Flash4Standin:
         lse = torch.where(empty, torch.full_like(row_lse, float("-inf")), row_lse)
         return out.to(q.dtype).contiguous(), lse  # the kernel writes a contiguous (Lq, H, D_v) output
 
+    def _backward_rules(self, q, k, v, out):
+        """``out``, made to fail at its backward pass where the real backward kernel would."""
+        message = backward_refusal(q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2], self.arch)
+        if message is None or not out.requires_grad:
+            return out
+        return _RefuseBackward.apply(out, message)
+
     @staticmethod
     def _wants_lse(return_lse, *tensors) -> bool:
         return return_lse or any(t.requires_grad for t in tensors)
@@ -167,7 +227,7 @@ class Flash4Standin:
         results = [self._one(q[b], k[b], v[b], scale, causal) for b in range(q.shape[0])]
         out = torch.stack([r[0] for r in results])
         lse = torch.stack([r[1] for r in results]) if self._wants_lse(return_lse, q, k, v) else None
-        return out, lse
+        return self._backward_rules(q, k, v, out), lse
 
     # ---- flash_attn_varlen_func -----------------------------------------------------------------------
     def flash_attn_varlen_func(
@@ -236,7 +296,7 @@ class Flash4Standin:
         ]
         out = torch.cat([r[0] for r in results])
         lse = torch.cat([r[1] for r in results], dim=1) if self._wants_lse(return_lse, q, k, v) else None
-        return out, lse
+        return self._backward_rules(q, k, v, out), lse
 
     # ---- injection --------------------------------------------------------------------------------------
     def as_modules(self) -> dict[str, types.ModuleType]:
@@ -250,6 +310,27 @@ class Flash4Standin:
             module.flash_attn_varlen_func = self.flash_attn_varlen_func
         cute.interface = interface
         return {"flash_attn.cute": cute, "flash_attn.cute.interface": interface}
+
+
+def fa2_cute_interface() -> types.ModuleType:
+    """The ``flash_attn.cute.interface`` the FlashAttention-2 sdist installs: the same two names, an
+    older signature (flash-attn 2.8.3.post2's ``flash_attn/cute/interface.py``), no ``return_lse``."""
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface.__file__ = "site-packages/flash_attn/cute/interface.py"
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(None, None),
+                        learnable_sink=None, softcap=0.0, pack_gqa=None):  # fmt: skip
+        raise AssertionError("FlashAttention-2's flash_attn.cute was called")
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                               seqused_k=None, page_table=None, softmax_scale=None, causal=False,
+                               window_size=(None, None), learnable_sink=None, softcap=0.0,
+                               pack_gqa=None):  # fmt: skip
+        raise AssertionError("FlashAttention-2's flash_attn.cute was called")
+
+    interface.flash_attn_func = flash_attn_func
+    interface.flash_attn_varlen_func = flash_attn_varlen_func
+    return interface
 
 
 @contextlib.contextmanager

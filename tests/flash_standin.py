@@ -17,8 +17,17 @@ its C++ entry points), not from its kernels:
 
 Like the real kernel it rejects inputs other than fp16/bf16, q/k/v of different dtypes, a non-contiguous
 last dim, head dims above 256, a value head dim different from the query's, H not a multiple of H_kv,
-and cu_seqlens that are not int32. ``FlashStandin(allow_fp32=True)`` is the explicit switch that also
-accepts fp32, for exact comparisons against sdpa at 1e-5.
+and cu_seqlens that are not int32. And like the real kernel on a GPU (a "misaligned address" fault) it
+refuses a tensor it cannot load 16 bytes at a time: a data pointer or a batch / token / head stride off
+a 16-byte boundary, for a head dim that is a multiple of 8. The kernels copy global memory in
+``uint128_t`` units (``csrc/flash_attn/src/kernel_traits.h``: ``SM80_CP_ASYNC_CACHEGLOBAL<cute::
+uint128_t>``, ``kGmemElemsPerLoad``); the C++ entry checks only ``stride(-1) == 1``
+(``csrc/flash_attn/flash_api.cpp``) and the Python wrapper only fixes that stride
+(``flash_attn/flash_attn_interface.py``: ``maybe_contiguous``) or pads a head dim that is not a
+multiple of 8, which makes a fresh copy (the same file, ``head_size_og % 8``). A view of a fused
+projection, v of the 125M config (212 bytes in, heads 340 bytes apart), is such a tensor.
+``FlashStandin(allow_fp32=True)`` is the explicit switch that also accepts fp32, for exact comparisons
+against sdpa at 1e-5 (the 16-byte rule then counts fp32 bytes).
 
 Numerics follow the kernel's contract: bf16/fp16 inputs upcast exactly, logits and softmax in fp32, the
 probabilities rounded to the input dtype before the (fp32-accumulated) product with V, output in the
@@ -36,6 +45,17 @@ import types
 import torch
 
 MAX_HEAD_DIM = 256
+ALIGN_BYTES = 16  # one uint128_t global-memory load
+
+
+def loadable_16_bytes_at_a_time(t: torch.Tensor) -> bool:
+    """The data pointer and every stride but the last on 16-byte boundaries (a head dim that is not a
+    multiple of 8 is padded into a fresh copy by the wrapper first)."""
+    if t.shape[-1] % 8:
+        return True
+    size = t.element_size()
+    strides = [s for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1]
+    return t.data_ptr() % ALIGN_BYTES == 0 and all(s * size % ALIGN_BYTES == 0 for s in strides)
 _QUERY_BLOCK = 1024  # rows per block: bounds the (block, Lk) logits held at once in no-grad runs
 
 
@@ -56,6 +76,12 @@ class FlashStandin:
         for t in (q, k, v):
             if t.stride(-1) != 1:
                 raise RuntimeError("Input tensor must have contiguous last dimension")
+            if not loadable_16_bytes_at_a_time(t):
+                raise RuntimeError(
+                    "CUDA error: misaligned address (flash-attn 2 loads 16-byte vectors: data pointer "
+                    f"{t.data_ptr() % ALIGN_BYTES} bytes off, strides {t.stride()} of "
+                    f"{t.element_size()}-byte elements)"
+                )
         D = q.shape[-1]
         if D > MAX_HEAD_DIM:
             raise RuntimeError(f"FlashAttention forward only supports head dimension at most {MAX_HEAD_DIM}")

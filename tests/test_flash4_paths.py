@@ -11,16 +11,18 @@ log-sum-exp against explicit float64 math. On a GPU the real kernel runs in ``te
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 
 import pytest
 import torch
-from flash4_standin import Flash4Standin, head_dims_supported, installed
+from flash4_standin import Flash4Standin, fa2_cute_interface, head_dims_supported, installed
 from flash_standin import FlashStandin
 from flash_standin import installed as installed_fa2
 from test_flash_paths import GOAT_CASES, assert_goat_backend_matches_sdpa, assert_grads_close
 
-from goat_dist.attention import GoatPrior, GoatSelfAttention, kernels
+from goat_dist.attention import GoatPrior, GoatSelfAttention, flash_imports, kernels
 from goat_dist.attention.kernels import attend, document_segments, flash4_head_dims, resolve_backend
 from goat_dist.config import ModelConfig
 
@@ -96,8 +98,9 @@ def test_standin_gradients_of_out_and_lse_match_explicit():
     grads = []
     for run in ("standin", "explicit"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        if run == "standin":
-            out, lse = Flash4Standin(allow_fp32=True).flash_attn_func(*leaves, causal=True)  # lse: training
+        if run == "standin":  # GQA with v wider than q/k: a backward 10.x has below q/k 128, 9.x has not
+            standin = Flash4Standin(allow_fp32=True, arch=100)
+            out, lse = standin.flash_attn_func(*leaves, causal=True)  # lse: training
         else:
             out, lse = explicit(*(t[0] for t in leaves), 8**-0.5, True)
             out, lse = out[None], lse[None]
@@ -161,7 +164,37 @@ def test_standin_rejects_what_the_kernel_rejects():
             call()
             pytest.fail(f"accepted: {name}")
     assert head_dims_supported(256, 256, 100) and head_dims_supported(192, 128, 100)
-    assert head_dims_supported(64, 256, 90) and not head_dims_supported(64, 256, 100)
+    assert head_dims_supported(128, 256, 90) and not head_dims_supported(64, 256, 100)
+    assert head_dims_supported(64, 192, 90) and not head_dims_supported(64, 256, 90)  # registers
+
+
+@pytest.mark.parametrize(
+    "arch,dq,dv,heads,kv,message",
+    [
+        (90, 72, 64, 4, 2, "GQA backward requires head_dim == head_dim_v"),  # flash_bwd_sm90.py
+        (100, 128, 64, 4, 2, "sdV doesn't fit in sV storage allocation"),  # flash_bwd_sm100.py, 2-CTA
+        (100, 64, 32, 2, 2, "valid division"),  # flash_bwd_sm100.py, without GQA too
+        (90, 72, 64, 2, 2, None),  # MHA with unequal dims: both backwards take it
+        (100, 72, 64, 4, 2, None),  # GQA below q/k 128 on 10.x
+        (100, 128, 104, 4, 2, None),  # the dV tile fits
+        (100, 72, 32, 2, 2, None),
+    ],
+)
+def test_standin_backward_refuses_what_the_real_backward_refuses(arch, dq, dv, heads, kv, message):
+    """The forward runs; the first backward raises the kernel's own message (as the compile check
+    found them, tests/fa4_compile.py)."""
+    standin = Flash4Standin(allow_fp32=True, arch=arch)
+    q = torch.randn(1, 8, heads, dq, requires_grad=True)
+    k, v = torch.randn(1, 8, kv, dq), torch.randn(1, 8, kv, dv)
+    out, _ = standin.flash_attn_func(q, k, v, causal=True)
+    if message is None:
+        out.sum().backward()
+        assert q.grad is not None
+    else:
+        with pytest.raises(AssertionError, match=message):
+            out.sum().backward()
+    with torch.no_grad():  # inference never runs the backward kernel
+        standin.flash_attn_func(q, k, v, causal=True)
 
 
 def test_installed_standin_is_what_the_project_imports():
@@ -180,6 +213,19 @@ def test_flash4_head_dims_plan():
     assert flash4_head_dims(256, 248, 10) == (256, 256)  # 10.x takes 256 only with an equal v: pad v
     assert flash4_head_dims(64, 256, 10) == (64, 128)  # v wider than 10.x takes: slices of 128
     assert flash4_head_dims(200, 200, 9) == (200, 200)
+    assert flash4_head_dims(64, 256, 9) == (64, 192)  # 9.x: 192-row tiles hold no wider v (registers)
+    assert flash4_head_dims(128, 256, 9) == (128, 256)
+    # under GQA v takes q/k's width where the backward wants it
+    assert flash4_head_dims(66, 64, 9, gqa=True) == (72, 72)  # from_reference: q/k two lanes wider
+    assert flash4_head_dims(66, 64, 9) == (72, 64)  # without GQA FA4 takes unequal widths
+    assert flash4_head_dims(66, 64, 10, gqa=True) == (72, 64)  # 10.x: below q/k 128 it does too
+    assert flash4_head_dims(128, 64, 10, gqa=True) == (128, 128)  # 2-CTA: the dV tile must fit
+    assert flash4_head_dims(128, 104, 10, gqa=True) == (128, 104)
+    assert flash4_head_dims(64, 256, 9, gqa=True) == (64, 64)  # a wide v in slices of q/k's width
+    assert flash4_head_dims(40, 32, 10) == (40, 40)  # 10.x: a 32-wide v beside other q/k widths
+    assert flash4_head_dims(66, 64, 12, gqa=True) == (72, 72)  # not compiled by the check: equal widths
+    with pytest.raises(ValueError, match="head dim 130"):
+        flash4_head_dims(130, 128, 10, gqa=True)
     with pytest.raises(
         ValueError, match=r"10\.x .*head dim 160.*nearest supported head_dim is 128 \(or 256\)"
     ):
@@ -274,6 +320,102 @@ def test_v_wider_than_the_kernel_takes_runs_in_slices():
     (g,) = torch.autograd.grad(out.sum(), v)
     (g_ref,) = torch.autograd.grad(ref.sum(), v)
     assert (g - g_ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+@pytest.mark.parametrize("kind", ["from_reference", "wide_content"])
+def test_gqa_module_with_wider_qk_pads_v_for_the_backward(monkeypatch, arch, kind):
+    """GoatSelfAttention under GQA with q/k wider than v (``from_reference``'s content dims, or
+    ``content_dim`` giving q/k 128 over v 64): the real backward refuses unequal widths there (9.x
+    always, 10.x at (128, 64)); the project pads v to the q/k width, the output and all gradients equal
+    sdpa's, and the kernel gets v as wide as q/k. Without the padding the backward raises."""
+    torch.manual_seed(0)
+    if kind == "from_reference":  # D = 32, R = 4: content 23 (the reference's D - 2R - 1), q/k 34 -> 40
+        sdpa = GoatSelfAttention(128, 4, 2, pos_rank=4, content_dim=23, backend="sdpa")
+    else:  # D = 64, R = 4: content 117 + 11 lanes = q/k 128
+        sdpa = GoatSelfAttention(256, 4, 2, pos_rank=4, content_dim=117, backend="sdpa")
+    x = torch.randn(2, 24, sdpa.embed_dim)
+    widths, standin = [], Flash4Standin(allow_fp32=True, arch=arch)
+    original = standin.flash_attn_func
+
+    def spy(q, k, v, **kwargs):
+        widths.append((q.shape[-1], v.shape[-1]))
+        return original(q, k, v, **kwargs)
+
+    standin.flash_attn_func = spy
+    with installed(standin):
+        sdpa_out, ours = sdpa(x), copy.deepcopy(sdpa)
+        ours.backend = "flash4"
+        out = ours(x)
+        assert (out - sdpa_out).abs().max().item() <= 1e-5
+        g = torch.randn_like(out)
+        out.backward(g)
+        sdpa_out.backward(g)
+        assert_grads_close(sdpa, ours)
+        assert widths and all(wq == wv for wq, wv in widths), widths
+        # the code before the fix: v at its own width under GQA
+        plan = kernels.flash4_head_dims
+        monkeypatch.setattr(kernels, "flash4_head_dims", lambda dq, dv, major, gqa=False: plan(dq, dv, major))
+        message = "GQA backward requires head_dim" if arch == 90 else "sdV doesn't fit"
+        if arch == 100 and kind == "from_reference":
+            ours(x).sum().backward()  # q/k below 128 on 10.x: the unequal backward exists
+        else:
+            with pytest.raises(AssertionError, match=message):
+                ours(x).sum().backward()
+
+
+# ---- the co-installed FlashAttention-2 and what auto says ------------------------------------------------
+@pytest.fixture
+def fa2_cute(monkeypatch):
+    """``flash_attn.cute.interface`` as the FlashAttention-2 sdist leaves it, on a faked H100."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fa2_cute_interface())
+    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
+    kernels._flash_attn_cute.cache_clear()
+    yield
+    kernels._flash_attn_cute.cache_clear()
+
+
+def test_fa2s_flash_attn_cute_is_named_with_the_fix(fa2_cute, capsys):
+    """An import that succeeds but lacks FA4's API (no return_lse): not used, and every message says
+    what happened and how to repair the environment."""
+    assert kernels._flash_attn_cute() is None
+    expected = (r"flash4 was requested but .*takes no return_lse.*FlashAttention-2 sdist.*both packages"
+                r".*pip uninstall -y flash-attn flash-attn-4")  # fmt: skip
+    with pytest.raises(RuntimeError, match=expected):
+        resolve_backend("flash4")
+    assert resolve_backend("auto") == "sdpa" and resolve_backend("auto") == "sdpa"
+    err = capsys.readouterr().err
+    assert err.count("attention_backend=auto takes sdpa, not flash4") == 1  # said once
+    assert "takes no return_lse" in err and "separate environments" in err
+
+
+def test_auto_says_once_why_flash4_did_not_import(monkeypatch, capsys):
+    """On a GPU where FA4 would serve, an import error (e.g. no triton) is said once, with its text."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)  # import raises ImportError
+    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
+    monkeypatch.setattr(flash_imports, "both_installed", lambda: False)
+    kernels._flash_attn_cute.cache_clear()
+    try:
+        assert resolve_backend("auto") == "sdpa" and resolve_backend("auto", position="goat") == "sdpa"
+    finally:
+        kernels._flash_attn_cute.cache_clear()
+    err = capsys.readouterr().err
+    assert err.count("not flash4: flash_attn.cute (PyPI flash-attn-4) does not import (ModuleNotFound") == 1
+    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
+    assert resolve_backend("auto") == "sdpa"  # an A100: FA4 would not serve there, nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_import_failure_names_the_coinstall(monkeypatch):
+    monkeypatch.setattr(flash_imports, "both_installed", lambda: True)
+    text = flash_imports.import_failure(ImportError("cannot import name 'X'"))
+    assert "does not import (ImportError: cannot import name 'X')" in text
+    assert "both installed" in text and "pip uninstall -y flash-attn flash-attn-4" in text
 
 
 # ---- the log-sum-exp (context parallelism merges partial results with it) ---------------------------------

@@ -167,6 +167,55 @@ def test_standin_rejects_what_the_kernel_rejects():
         strict.flash_attn_func(q, q, q, dropout_p=0.1)
 
 
+def views_of_the_125m_projection(dtype=torch.bfloat16, batch=2, length=16):
+    """q, k, v as ``split_grouped_qkv`` cuts them out of the 125M config's fused projection (12 heads of
+    64, GOAT's 11 lanes: content 53), in the model's [s, b, width] -> batch-first layout."""
+    from goat_dist.attention import split_grouped_qkv
+
+    heads, content, head_dim = 12, 53, 64
+    width = heads * (2 * content + head_dim)
+    mixed = torch.randn(length, batch, width, dtype=dtype).transpose(0, 1)
+    return split_grouped_qkv(mixed, heads, 1, content, head_dim)
+
+
+def test_standin_refuses_a_view_it_cannot_load_16_bytes_at_a_time():
+    """The 125M config's v: 212 bytes into each row and heads 340 bytes apart in bf16. flash-attn 2
+    would fault on it (misaligned address); its own wrapper passes it through (unit last stride)."""
+    _, _, v = views_of_the_125m_projection()
+    assert v.stride(-1) == 1 and v.storage_offset() * 2 == 212 and v.stride(2) * 2 == 340
+    q = torch.randn(2, 16, 12, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        FlashStandin().flash_attn_func(q, q, v, causal=True)
+    shifted = torch.randn(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape)  # contiguous, 2 bytes off
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        FlashStandin().flash_attn_func(q, q, shifted, causal=True)
+    FlashStandin().flash_attn_func(q, q, v.contiguous(), causal=True)
+    odd = torch.randn(2, 16, 12, 70, dtype=torch.bfloat16)[..., :60]  # not a multiple of 8: the wrapper pads
+    FlashStandin().flash_attn_func(odd, odd, odd, causal=True)
+
+
+def test_flash_attention_gives_fa2_aligned_inputs(flash32):
+    """The project copies what flash-attn 2 cannot load (the 125M config's v, here in fp32: 424 bytes
+    in) and matches sdpa, outputs and gradients, dense and packed. q/k with GOAT's lanes appended are
+    fresh tensors."""
+    from goat_dist.attention.kernels import document_segments, flash_attention, sdpa_attention
+
+    qc, kc, v = views_of_the_125m_projection(torch.float32)
+    q = torch.cat([qc, torch.randn(*qc.shape[:-1], 11)], -1).requires_grad_(True)
+    k = torch.cat([kc, torch.randn(*kc.shape[:-1], 11)], -1).requires_grad_(True)
+    v = v.detach().requires_grad_(True)  # still the strided view
+    assert v.storage_offset() * 4 % 16
+    for positions in (torch.arange(16).expand(2, 16), torch.tensor([list(range(6)) + list(range(10))] * 2)):
+        segments = document_segments(positions)
+        out = flash_attention(q, k, v, causal=True, scale=0.125, segments=segments)
+        ref = sdpa_attention(q, k, v, causal=True, scale=0.125, segments=segments)
+        assert (out - ref).abs().max().item() <= 1e-5
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        refs = torch.autograd.grad(ref.sum(), (q, k, v))
+        assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(grads, refs))
+    assert flash32.calls == ["flash_attn_func", "flash_attn_varlen_func"]
+
+
 def test_installed_standin_is_what_the_project_imports():
     from goat_dist.attention import kernels
 

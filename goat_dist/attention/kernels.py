@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKENDS as BACKENDS
+from .flash_imports import flash4_api_problem, import_failure, notice_auto_fallback
+from .layout import fa2_ready
 
 
 def document_segments(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -55,7 +58,7 @@ def _flash_attn():
     return flash_attn if all(hasattr(flash_attn, name) for name in needed) else None
 
 
-_FLASH4_IMPORT_ERROR: list[str] = []  # why flash_attn.cute did not import (for the error message)
+_FLASH4_IMPORT_ERROR: list[str] = []  # why flash_attn.cute is not usable (for the messages)
 
 
 @functools.cache
@@ -66,10 +69,19 @@ def _flash_attn_cute():
     try:
         interface = importlib.import_module("flash_attn.cute.interface")
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        _FLASH4_IMPORT_ERROR.append(f"{type(exc).__name__}: {exc}")
+        _FLASH4_IMPORT_ERROR.append(import_failure(exc))
         return None
-    needed = ("flash_attn_func", "flash_attn_varlen_func")
-    return interface if all(hasattr(interface, name) for name in needed) else None
+    problem = flash4_api_problem(interface)  # e.g. FlashAttention-2's older flash_attn/cute/
+    if problem:
+        _FLASH4_IMPORT_ERROR.append(problem)
+        return None
+    return interface
+
+
+def _flash4_unusable() -> str:
+    """Why FA4 is not used, for the messages (the import's own error when there was one)."""
+    default = "flash_attn.cute (PyPI flash-attn-4) does not import"
+    return _FLASH4_IMPORT_ERROR[0] if _FLASH4_IMPORT_ERROR else default
 
 
 def _device_capability(device=None) -> tuple[int, int] | None:
@@ -103,6 +115,15 @@ def flash4_available() -> bool:
 # dim to the next multiple of 8 (zero lanes change neither q.k nor the kept outputs), pads v up to q/k's
 # width where only equal dims are taken (256 on 10.x), and runs a v wider than the kernel takes in
 # slices (attention is linear in v). Anything else is an error naming the nearest supported head dim.
+# Under GQA the backward kernels restrict v's width further: on 9.x ``flash_bwd_sm90.py`` asserts
+# ``head_dim == head_dim_v``; on 10.x/11.x the 2-CTA backward (q/k >= 128) stages the fp32 dV tile in
+# V's shared memory and fails where it does not fit (``flash_bwd_sm100.py``: "sdV doesn't fit in sV
+# storage allocation (2-CTA)"; (128, 64) fails, (128, 104) compiles); 12.x is not compiled by the CI
+# check, so it gets equal widths there. On 10.x a v of 32 or less beside a different q/k width fails
+# in the backward too, with or without GQA ((64, 32): "failed to perform a valid division"). Where the
+# rules say no, v is zero-padded to the q/k width (or, when wider, runs in slices) and the output cut
+# back: zero lanes give zero outputs and no gradient.
+# ``tests/fa4_compile.py`` compiles the real kernels on CPU for every shape the project produces.
 
 
 def _flash4_dims_ok(dq: int, dv: int, major: int) -> bool:
@@ -110,7 +131,24 @@ def _flash4_dims_ok(dq: int, dv: int, major: int) -> bool:
         return False
     if major in (10, 11):
         return (8 <= dq <= 128 and 8 <= dv <= 128) or (dq, dv) in ((192, 128), (256, 256))
-    return 8 <= dq <= 256 and 8 <= dv <= 256
+    # 9.x: q/k up to 96 get 192-row tiles (``_tile_size_fwd_sm90``), whose output accumulators run out
+    # of registers past a v of 192 (ptxas C7602 when compiling (64, 256)): found by the compile check
+    return 8 <= dq <= 256 and 8 <= dv <= 256 and (dq > 96 or dv <= 192)
+
+
+def _flash4_backward_ok(dq: int, dv: int, major: int, gqa: bool) -> bool:
+    if dq == dv:
+        return True
+    if major in (10, 11):  # tile head dims are rounded up to 32; dV staged as 2 gcd(32, tile/2) floats
+        tile_q, tile_v = -(-dq // 32) * 32, -(-dv // 32) * 32
+        if dv <= 32:  # a 32-wide dV tile does not divide among the warpgroups (MLIR "valid division")
+            return False
+        return not gqa or dq < 128 or tile_v >= 4 * math.gcd(32, tile_q // 2)
+    return not gqa
+
+
+def _flash4_widths_ok(dq: int, dv: int, major: int, gqa: bool) -> bool:
+    return _flash4_dims_ok(dq, dv, major) and _flash4_backward_ok(dq, dv, major, gqa)
 
 
 def _ceil8(d: int) -> int:
@@ -123,17 +161,18 @@ def _flash4_rule(major: int) -> str:
     return "q/k and v head dims of 8-256"
 
 
-def flash4_head_dims(dq: int, dv: int, major: int | None) -> tuple[int, int]:
+def flash4_head_dims(dq: int, dv: int, major: int | None, gqa: bool = False) -> tuple[int, int]:
     """The (q/k, v) widths the project gives FlashAttention-4 for head dims ``dq`` (q/k) and ``dv`` (v)
-    on compute capability ``major`` (None: unknown, only the multiple-of-8 padding). A returned v width
-    below ``dv`` means v goes in slices of that width. Raises ValueError naming the nearest supported
-    head dim when there is none."""
+    on compute capability ``major`` (None: unknown, only the multiple-of-8 padding); ``gqa``: fewer KV
+    heads than query heads, where the backward kernels take fewer unequal pairs (see above). A returned
+    v width below ``dv`` means v goes in slices of that width. Raises ValueError naming the nearest
+    supported head dim when there is none."""
     pq, pv = _ceil8(dq), _ceil8(dv)
-    if major is None or _flash4_dims_ok(pq, pv, major):
+    if major is None or _flash4_widths_ok(pq, pv, major, gqa):
         return pq, pv
-    if pv < pq and _flash4_dims_ok(pq, pq, major):
+    if pv < pq and _flash4_widths_ok(pq, pq, major, gqa):
         return pq, pq
-    narrower = [w for w in range(pv - 8, 7, -8) if _flash4_dims_ok(pq, w, major)]
+    narrower = [w for w in range(pv - 8, 7, -8) if _flash4_widths_ok(pq, w, major, gqa)]
     if narrower:
         return pq, narrower[0]
     ok = [h for h in range(8, 1025, 8) if _flash4_dims_ok(h, h, major)]
@@ -171,7 +210,12 @@ def resolve_backend(name: str, *, position: str | None = None, head_dim: int | N
     if name == "auto":
         if flash4_available() and _flash4_fits(position, head_dim):
             return "flash4"
-        return "flash" if flash_available() else "sdpa"
+        choice = "flash" if flash_available() else "sdpa"
+        cap = _device_capability()
+        if cap is not None and cap[0] in FLASH4_MAJORS and _flash_attn_cute() is None:
+            why = _flash4_unusable()
+            notice_auto_fallback(choice, why)  # on a GPU FA4 would serve: say why it does not, once
+        return choice
     if name == "flash4":
         cap = _device_capability()
         if cap is None:
@@ -183,8 +227,7 @@ def resolve_backend(name: str, *, position: str | None = None, head_dim: int | N
                 "pip install 'goat-dist[flash2]') on it"
             )
         elif _flash_attn_cute() is None:
-            detail = f" ({_FLASH4_IMPORT_ERROR[0]})" if _FLASH4_IMPORT_ERROR else ""
-            why = f"flash_attn.cute (PyPI flash-attn-4) does not import{detail}"
+            why = _flash4_unusable()
         else:
             if position == "alibi":
                 raise ValueError(FLASH4_ALIBI_ERROR)
@@ -287,7 +330,8 @@ def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **ext
 
     flash-attn 2 needs one head dim for q, k and v: a narrower v (a GOAT module whose prior lanes come on
     top of the reference's content dims, see ``GoatSelfAttention``) is zero-padded and the output cut
-    back. ``extra`` goes to the kernel as is (``alibi_slopes``).
+    back. A view it cannot load 16 bytes at a time (v cut out of the fused projection) is copied
+    first (``layout.fa2_ready``). ``extra`` goes to the kernel as is (``alibi_slopes``).
     """
     flash = _flash_attn()
     if flash is None:
@@ -297,14 +341,15 @@ def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **ext
     if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
     if segments is None:
+        q, k, v = fa2_ready(q), fa2_ready(k), fa2_ready(v)
         out = flash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **extra)
         return out[..., :dv]
     B, L = segments.shape
     cu, max_len = cu_seqlens(segments)
     out = flash.flash_attn_varlen_func(
-        q.flatten(0, 1),
-        k.flatten(0, 1),
-        v.flatten(0, 1),
+        fa2_ready(q.flatten(0, 1)),
+        fa2_ready(k.flatten(0, 1)),
+        fa2_ready(v.flatten(0, 1)),
         cu,
         cu,
         max_len,
@@ -333,10 +378,10 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 def flash4_attention(q, k, v, *, causal: bool, scale: float, segments=None, return_lse: bool = False):
     """FlashAttention-4 (``flash_attn.cute.interface``); packed documents run through its varlen kernel.
 
-    FA4 takes different q/k and v head dims; widths are padded or v sliced as ``flash4_head_dims`` says
-    for this GPU. ``return_lse``: also the log-sum-exp of each row's scaled logits, (B, H, L) fp32
-    (natural log; -inf for a row that sees no key), differentiable (context parallelism merges partial
-    results with it).
+    FA4 takes different q/k and v head dims, under GQA fewer pairs in its backward; widths are padded
+    or v sliced as ``flash4_head_dims`` says for this GPU. ``return_lse``: also the log-sum-exp of each
+    row's scaled logits, (B, H, L) fp32 (natural log; -inf for a row that sees no key), differentiable
+    (context parallelism merges partial results with it).
     """
     fa4 = _flash_attn_cute()
     if fa4 is None:
@@ -344,7 +389,7 @@ def flash4_attention(q, k, v, *, causal: bool, scale: float, segments=None, retu
         raise RuntimeError("flash_attn.cute does not import")
     dq, dv = q.shape[-1], v.shape[-1]
     cap = _device_capability(q.device if q.is_cuda else None)
-    wq, wv = flash4_head_dims(dq, dv, cap[0] if cap else None)
+    wq, wv = flash4_head_dims(dq, dv, cap[0] if cap else None, gqa=q.shape[2] != k.shape[2])
     q, k = _pad_to(q, wq), _pad_to(k, wq)
     B, L, H = q.shape[:3]
     if segments is not None:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ..attention import kernels
 from ..attention.exact import sequence_origin
 from ..attention.kernels import document_segments
+from ..attention.layout import fa2_ready
 
 
 @dataclass
@@ -223,8 +224,8 @@ def _flash_chunk(q, k, v, start, shard, scale, slopes):
     cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
     cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
     out = flash.flash_attn_varlen_func(
-        q.reshape(B * c, *q.shape[2:]),
-        k.reshape(B * S, *k.shape[2:])[keys],
+        fa2_ready(q.reshape(B * c, *q.shape[2:])),  # a view of the projection: 16-byte loads
+        k.reshape(B * S, *k.shape[2:])[keys],  # gathered: fresh, aligned copies
         v.reshape(B * S, *v.shape[2:])[keys],
         cu_q_t,
         cu_k_t,

@@ -1,0 +1,501 @@
+"""Compile FlashAttention-4's real kernels on CPU for every call the project makes to them.
+
+FA4 (``flash_attn/cute/interface.py``, 4.0.0b36) documents CPU-only compilation: ``FLASH_ATTENTION_ARCH``
+picks the kernel family, ``CUTE_DSL_ARCH`` the target, ``FLASH_ATTENTION_NUM_SMS`` the SKU, and under
+torch's fake-tensor mode ``_flash_attn_fwd`` / ``_flash_attn_bwd`` build and compile the kernels without
+running them. The compile runs the kernels' own shape, dtype and layout checks (the backward's GQA
+asserts among them), which no stand-in can promise to mirror.
+
+What is compiled is what the project hands FA4: each case below runs the project's own attention code
+(``ParallelSelfAttention._attend`` / ``_attend_cp``, ``GoatSelfAttention``, ``from_reference``, the
+attention diagnostics) on real CPU bf16 tensors of the run's shapes, with ``kernels._flash_attn_cute``
+pointed at ``CompilingInterface``: every ``flash_attn_func`` / ``flash_attn_varlen_func`` call is
+replayed on fake CUDA tensors of the same shapes and strides through ``_flash_attn_fwd`` and, when the
+inputs require grad (training), ``_flash_attn_bwd`` with the arguments FA4's autograd functions pass.
+The cases come from ``configs/**/*.yaml`` (a study config's runs included) and the library API at
+those configs' head dims and GQA ratios, so a new config is covered without editing this file.
+
+    python tests/fa4_compile.py --arch sm_90 --out result.json     # needs flash-attn-4 and triton
+
+Each process compiles for one architecture (the choice is read from the environment once); identical
+kernels are compiled once per process (FA4's own cache), and across runs when
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` with ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = {"sm_90": ("sm_90a", 132), "sm_100": ("sm_100a", 148)}  # CUTE_DSL_ARCH, SMs (H100/H200, B200)
+PACKAGES = ("flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "triton")
+
+
+def arch_env(arch: str) -> dict[str, str]:
+    """The environment FA4 reads to compile for ``arch`` without a GPU."""
+    target, sms = ARCHS[arch]
+    return {"FLASH_ATTENTION_ARCH": arch, "CUTE_DSL_ARCH": target, "FLASH_ATTENTION_NUM_SMS": str(sms)}
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+# ---- the recording, compiling interface ------------------------------------------------------------------
+def _fake_like(t, fake_mode):
+    """A fake CUDA tensor with ``t``'s dtype, shape, strides and storage offset. It never requires grad:
+    CPU torch's autograd fails on fake CUDA tensors; for FA4 ``requires_grad`` only decides that the
+    forward writes the log-sum-exp, which ``return_lse`` asks for here."""
+    import torch
+
+    if t is None:
+        return None
+    with fake_mode:
+        span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        base = torch.empty(max(span, 1), dtype=t.dtype, device="cuda")
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def answer_hardware_queries() -> None:
+    """Give cutlass's ``HardwareInfo`` the target SKU instead of a driver. The persistent tile schedulers
+    of the non-causal forward ask it for the SM count while tracing (``flash_attn/cute/
+    tile_scheduler.py``, ``get_grid_shape``), which ``FLASH_ATTENTION_NUM_SMS`` does not cover; without
+    a driver that is a ``DynamicLibNotFoundError``, not a finding about the kernel."""
+    from cutlass.utils import hardware_info
+
+    sms = int(os.environ["FLASH_ATTENTION_NUM_SMS"])
+    cls = hardware_info.HardwareInfo
+    cls.__init__ = lambda self, device_id=0: None
+    cls.get_device_multiprocessor_count = lambda self: sms
+    cls.get_max_active_clusters = lambda self, cluster_size, stream=None: sms // cluster_size
+    cls.get_l2_cache_size_in_bytes = lambda self: 50 * 2**20
+
+
+class CompilingInterface:
+    """``flash_attn.cute.interface`` as the project calls it; each call compiles the real kernels on
+    fake tensors (``_flash_attn_fwd``, then ``_flash_attn_bwd`` when an input requires grad) and
+    returns zeros of the documented output shapes so the project's code runs on."""
+
+    def __init__(self):
+        from flash_attn.cute import interface
+
+        answer_hardware_queries()
+        self.real = interface
+        self.calls: list[dict] = []
+        self.case = ""
+
+    def _compile(self, q, k, v, *, softmax_scale, causal, return_lse, varlen: dict | None):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        grad = any(t.requires_grad for t in (q, k, v))
+        record = {
+            "case": self.case,
+            "q": list(q.shape),
+            "k": list(k.shape),
+            "v": list(v.shape),
+            "v_strides": list(v.stride()),
+            "gqa": q.shape[-2] // k.shape[-2],
+            "causal": causal,
+            "varlen": varlen is not None,
+            "lq_lt_lk": (q.shape[-3] < k.shape[-3]) if varlen is None else None,
+            "backward": grad,
+            "return_lse": return_lse,
+        }
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fq, fk, fv = (_fake_like(t, fake_mode) for t in (q, k, v))
+        extra = {}
+        if varlen is not None:
+            extra = {
+                "cu_seqlens_q": _fake_like(varlen["cu_seqlens_q"], fake_mode),
+                "cu_seqlens_k": _fake_like(varlen["cu_seqlens_k"], fake_mode),
+                "max_seqlen_q": varlen["max_seqlen_q"],
+                "max_seqlen_k": varlen["max_seqlen_k"],
+            }
+        stage = "forward"
+        start = time.perf_counter()
+        try:
+            with fake_mode:
+                out, lse = self.real._flash_attn_fwd(
+                    fq, fk, fv, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse or grad,
+                    **extra,
+                )[:2]  # fmt: skip
+                record["fwd_s"] = round(time.perf_counter() - start, 3)
+                if grad:  # what FlashAttnFunc / FlashAttnVarlenFunc.backward pass
+                    stage = "backward"
+                    start = time.perf_counter()
+                    dlse = torch.empty_like(lse) if return_lse else None
+                    self.real._flash_attn_bwd(
+                        fq, fk, fv, out, torch.empty_like(out), lse, softmax_scale, causal, 0.0,
+                        deterministic=False, dlse=dlse, **extra,
+                    )  # fmt: skip
+                    record["bwd_s"] = round(time.perf_counter() - start, 3)
+            record["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - a refusal of the real kernel is the finding
+            record.update(ok=False, stage=stage, error=_first_line(exc), where=_origin(exc))
+        self.calls.append(record)
+
+    def _outputs(self, q, v, return_lse, lse_shape):
+        import torch
+
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        lse = torch.zeros(lse_shape) if return_lse or q.requires_grad else None
+        return out, lse
+
+    def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, return_lse=False, **unused):
+        assert not unused, f"the compile check does not replay {sorted(unused)}"
+        self._compile(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, varlen=None)
+        return self._outputs(q, v, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, softmax_scale=None, causal=False, return_lse=False,
+                               **unused):  # fmt: skip
+        assert not unused, f"the compile check does not replay {sorted(unused)}"
+        varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k)  # fmt: skip
+        self._compile(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, varlen=varlen
+        )
+        return self._outputs(q, v, return_lse, (q.shape[1], q.shape[0]))
+
+
+def _origin(exc: BaseException) -> str:
+    """file:line of the innermost frame inside flash_attn/cute (where the kernel refused)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "flash_attn" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno}"
+
+
+# ---- the cases: configs and the library API --------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What one rank's attention layer sees for a config: local heads, head dim, batch, lengths."""
+
+    source: str
+    position: str
+    heads: int  # local (per TP rank)
+    kv_heads: int
+    head_dim: int
+    batch: int
+    seq_len: int
+    cp: int
+    documents: bool
+    goat: tuple  # (pos_rank, abs_rank, key_bias, train_len)
+
+
+def config_files(root: Path = ROOT) -> list[Path]:
+    return sorted((root / "configs").rglob("*.yaml"))
+
+
+def load_shapes(path: Path) -> list[ModelShape]:
+    """The model shapes of a training config, or of each run of a study config."""
+    import yaml
+
+    from goat_dist.config import load_config
+
+    spec = yaml.safe_load(path.read_text()) or {}
+    if isinstance(spec.get("runs"), dict):  # a study: its training config under each run's overrides
+        from goat_dist.evaluation.study import load_study
+
+        study = load_study(path)
+        return [
+            _shape(f"{path.name}:{name}", load_config(study["train_config"], [*study["overrides"], *runs]))
+            for name, runs in study["runs"].items()
+        ]
+    return [_shape(path.name, load_config(path))]
+
+
+def _shape(source: str, cfg) -> ModelShape:
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.num_kv_heads or m.num_heads
+    g = m.goat
+    return ModelShape(
+        source=source,
+        position=m.position,
+        heads=m.num_heads // tp,
+        kv_heads=kv // tp,
+        head_dim=m.hidden_size // m.num_heads,
+        batch=cfg.train.micro_batch_size,
+        seq_len=m.seq_len,
+        cp=cfg.parallel.cp,
+        documents=cfg.data.document_masking,
+        goat=(g.pos_rank, g.abs_rank, g.key_bias, g.train_len or m.seq_len),
+    )
+
+
+def _document_positions(batch: int, length: int, documents: bool):
+    """(B, L) positions: one document per row, or documents restarting at an eighth, 3/8 and 5/8 of it."""
+    import torch
+
+    row = torch.arange(length)
+    if documents:
+        cuts = [length // 8, 3 * length // 8, 5 * length // 8]
+        row = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, length])])
+    return row.expand(batch, length).contiguous()
+
+
+def _layer(shape: ModelShape):
+    """The model's attention layer for one TP rank of ``shape`` (built at TP = 1 with the local heads)."""
+    import torch
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from goat_dist.config import GoatConfig, ModelConfig
+    from goat_dist.model.attention import ParallelSelfAttention
+
+    R, M, key_bias, train_len = shape.goat
+    cfg = ModelConfig(
+        seq_len=shape.seq_len,
+        num_layers=1,
+        hidden_size=shape.heads * shape.head_dim,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        position=shape.position,
+        attention_backend="sdpa",
+        goat=GoatConfig(pos_rank=R, abs_rank=M, key_bias=key_bias, train_len=train_len),
+    )
+    mp = ModelParallelConfig(tensor_model_parallel_size=1, use_cpu_initialization=True,
+                             perform_initialization=False, params_dtype=torch.bfloat16)  # fmt: skip
+    attn = ParallelSelfAttention(cfg, mp, lambda w: None, lambda w: None)
+    attn.backend = "flash4"
+    return attn
+
+
+def _mixed(attn, batch: int, length: int, grad: bool):
+    """The fused projection's output as ``forward`` splits it: [s, b, width] viewed batch-first."""
+    import torch
+
+    width = attn.qkv.weight.shape[0]
+    mixed = torch.randn(length, batch, width, dtype=torch.bfloat16).transpose(0, 1)
+    return mixed.requires_grad_(grad) if grad else mixed
+
+
+def _split(attn, mixed):
+    from goat_dist.attention import split_grouped_qkv
+
+    return split_grouped_qkv(mixed, attn.local_kv_heads, attn.group, attn.content_dim, attn.head_dim)
+
+
+def run_model(shape: ModelShape, iface: CompilingInterface) -> list[str]:
+    """Training calls of one config's attention: dense rows, packed documents (whether or not the config
+    turns ``data.document_masking`` on), CP chunks; and the attention diagnostics' forward-only calls.
+    Returns notes for paths that do not reach FA4."""
+    import torch
+
+    from goat_dist.attention.exact import sequence_origin
+    from goat_dist.attention.kernels import FLASH4_ALIBI_ERROR, document_segments
+    from goat_dist.model import attention as model_attention
+    from goat_dist.parallel.context import make_shard
+
+    if shape.position == "alibi":
+        return [f"{shape.source}: {FLASH4_ALIBI_ERROR.split(':')[0]} (a clear error, nothing compiled)"]
+    attn = _layer(shape)
+    L = shape.seq_len
+    for documents in (False, True):  # data.document_masking is a data option any config can turn on
+        iface.case = f"{shape.source} train{' documents' if documents else ''}" + (
+            f" cp={shape.cp}" if shape.cp > 1 else ""
+        )
+        positions = _document_positions(shape.batch, L, documents)
+        if shape.cp > 1:
+            shard = make_shard(positions, shape.cp, rank=0)
+            if shard.segments is not None:
+                continue  # flash4 with documents under CP takes the explicit-mask path (no FA4 call)
+            q, k, v = _split(attn, shard.split(_mixed(attn, shape.batch, L, grad=True)))
+            whole_rows = lambda x, shard: torch.cat([x] * shard.cp, dim=1)  # gather: contiguous rows
+            saved, model_attention.gather_sequence = model_attention.gather_sequence, whole_rows
+            try:
+                attn._attend_cp(q, k, v, shard.split(positions), shard)
+            finally:
+                model_attention.gather_sequence = saved
+            continue
+        q, k, v = _split(attn, _mixed(attn, shape.batch, L, grad=True))
+        attn._attend(q, k, v, positions, document_segments(positions), sequence_origin(positions))
+    iface.case = f"{shape.source} diagnostics"
+    from goat_dist.observe.attention_stats import attention_probabilities
+
+    q, k, _ = _split(attn, _mixed(attn, 1, L, grad=False))
+    positions = _document_positions(1, L, False)
+    next(attention_probabilities(attn, q, k, positions))
+    return []
+
+
+def library_modules(shapes: list[ModelShape]):
+    """``(name, build)`` of the library API at the configs' GOAT head dims, lanes and GQA ratios:
+    ``GoatSelfAttention`` by default and with ``content_dim=head_dim`` (all content dims plus the lanes),
+    and ``from_reference`` of the authors' module (content dims ``D - 2R - 1``). The kernel shapes depend
+    on (D, R, key bias, ratio) only; ``abs_rank`` is the largest the configs pair with them."""
+    from goat_dist.attention import GoatSelfAttention
+
+    ratios = sorted({s.heads // s.kv_heads for s in shapes})
+    abs_rank: dict[tuple, int] = {}
+    for s in shapes:
+        if s.position == "goat":
+            key = (s.head_dim, s.goat[0], s.goat[2])
+            abs_rank[key] = max(abs_rank.get(key, 0), s.goat[1])
+    for (D, R, key_bias), M in sorted(abs_rank.items()):
+        for ratio in ratios:
+            heads, kv = ratio, 1
+            common = dict(pos_rank=R, abs_rank=M, key_bias=key_bias, backend="sdpa")
+            tag = f"D={D} R={R} key_bias={key_bias} gqa={ratio}"
+            yield f"GoatSelfAttention {tag}", partial(GoatSelfAttention, heads * D, heads, kv, **common)
+            yield f"GoatSelfAttention content_dim={D} {tag}", partial(
+                GoatSelfAttention, heads * D, heads, kv, content_dim=D, **common
+            )
+            yield f"from_reference {tag}", partial(_converted, heads * D, heads, kv, R, M, key_bias)
+
+
+def _converted(*dims):
+    from goat_dist.attention import from_reference
+
+    return from_reference(_reference(*dims), backend="sdpa")
+
+
+def _reference(embed, heads, kv, R, M, key_bias):
+    import goat  # goat-attention, from the test extra
+
+    return goat.GoatAttention(embed_dim=embed, num_heads=heads, kv_num_heads=kv, pos_rank=R, abs_rank=M,
+                              enable_key_bias=key_bias, training_seq_len=2048, batch_first=True)  # fmt: skip
+
+
+def run_module(name: str, module, iface: CompilingInterface, batch: int = 2, length: int = 2048) -> list[str]:
+    """A module's forward, causal and not, with inputs that require grad (training)."""
+    import torch
+
+    from goat_dist.attention import kernels
+
+    module = module.to(torch.bfloat16)
+    module.backend = "flash4"
+    notes = []
+    for causal in (True, False):
+        iface.case = f"{name} causal={causal}"
+        x = torch.randn(batch, length, module.embed_dim, dtype=torch.bfloat16, requires_grad=True)
+        try:
+            module(x, causal=causal)
+        except ValueError as exc:  # goat-dist refuses the head dim itself, naming the nearest one
+            if "FlashAttention-4" not in str(exc):
+                raise
+            cap = kernels._device_capability()
+            notes.append(f"{iface.case}: refused by goat-dist on {cap[0]}.x before the kernel: {exc}")
+            break
+    return notes
+
+
+# ---- one architecture ------------------------------------------------------------------------------------
+def without_gqa_padding() -> None:
+    """Make the project hand FA4 v at its own width under GQA, as it did before it padded v: the check
+    must then fail (``test_fa4_compile.py`` shows it does)."""
+    from goat_dist.attention import kernels
+
+    plan = kernels.flash4_head_dims
+    kernels.flash4_head_dims = lambda dq, dv, major, gqa=False: plan(dq, dv, major, gqa=False)
+
+
+def compile_all(arch: str, only: str | None = None) -> dict:
+    """Every case for ``arch`` (the FA4 environment must already be set for it), or those whose name
+    contains ``only``; the result document."""
+    import torch
+
+    from goat_dist import distributed
+    from goat_dist.attention import kernels
+
+    distributed.init(tp=1)  # the model's layers ask megatron for their TP group
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    iface = CompilingInterface()
+    major = int(arch.split("_")[1]) // 10
+    saved = kernels._flash_attn_cute, kernels._device_capability
+    kernels._flash_attn_cute = lambda: iface
+    kernels._device_capability = lambda device=None: (major, 0)
+    notes, shapes, errors = [], [], []
+    try:
+        for path in config_files():
+            try:
+                shapes += load_shapes(path)
+            except Exception as exc:  # noqa: BLE001 - a config that does not load is reported
+                errors.append(f"{path.name}: {_first_line(exc)}")
+        for shape in dict.fromkeys(shapes):
+            if only is None or only in shape.source:
+                notes += run_model(shape, iface)
+        for name, build in library_modules(shapes):
+            if only is not None and only not in name:
+                continue
+            try:
+                module = build()
+            except ImportError as exc:  # goat-attention (the test extra) absent: no from_reference cases
+                notes.append(f"{name}: not built ({_first_line(exc)})")
+                continue
+            except Exception as exc:  # noqa: BLE001 - the library cannot build it: reported, not compiled
+                (notes if name.startswith("from_reference") else errors).append(
+                    f"{name}: not built ({_first_line(exc)})"
+                )
+                continue
+            notes += run_module(name, module, iface)
+    finally:
+        kernels._flash_attn_cute, kernels._device_capability = saved
+    failed = [c for c in iface.calls if not c["ok"]]
+    return {
+        "arch": arch,
+        "versions": versions(),
+        "configs": [str(p.relative_to(ROOT)) for p in config_files()],
+        "shapes": [dataclasses.asdict(s) for s in dict.fromkeys(shapes)],
+        "calls": iface.calls,
+        "distinct_calls": len({json.dumps({k: c[k] for k in c if k not in ("case", "fwd_s", "bwd_s")})
+                               for c in iface.calls}),  # fmt: skip
+        "failed": failed,
+        "errors": errors,
+        "notes": notes,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=sorted(ARCHS), required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", help="the cases whose name contains this (default: all)")
+    p.add_argument("--without-gqa-padding", action="store_true", help="undo the fix, to see the check fail")
+    args = p.parse_args(argv)
+    for key, value in arch_env(args.arch).items():
+        if os.environ.get(key) != value:
+            print(f"set {key}={value} before starting (FA4 reads it once)", file=sys.stderr)
+            return 2
+    sys.path.insert(0, str(ROOT))
+    if args.without_gqa_padding:
+        without_gqa_padding()
+    result = compile_all(args.arch, args.only)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    print(f"{args.arch}: {len(result['calls'])} calls ({result['distinct_calls']} distinct), "
+          f"{len(result['failed'])} refused, {result['seconds']} s")  # fmt: skip
+    for c in result["failed"]:
+        shapes = f"q {c['q']} k {c['k']} v {c['v']}"
+        print(f"  REFUSED {c['case']}: {shapes} {c['stage']}: {c['error']} ({c['where']})")
+    return 0 if not result["failed"] and not result["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
