@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
+import inspect
 import math
 import os
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,21 +108,83 @@ def check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
 
 
 def backend_for(cuda: bool) -> str:
-    """The process-group backend: gloo on CPU; on CUDA, NCCL for device tensors AND gloo for CPU tensors.
+    """The world group's backend: gloo on CPU; on CUDA, NCCL for device tensors plus one gloo side.
 
-    Why both: the trainer's control values (loss/fingerprint/flags of the one per-step collective,
-    parameter counts, memory figures, checkpoint decisions) are host values, and NCCL reduces only CUDA
-    tensors. A dual backend keeps them on the host (no device round trip) while gradients, parameters and
-    megatron's TP traffic stay on NCCL. Every group created later without an explicit backend (megatron's
-    parallel_state, DeepSpeed's) inherits both.
-    """
+    That gloo side is the run's only gloo mesh: the rare host-side collectives (checkpoint decisions,
+    start records, log-step gathers) pass CPU tensors to the world group, which NCCL cannot reduce. Every
+    group created after it is NCCL only (``_nccl_for_new_groups``): a mixed string would give each of
+    megatron's groups a gloo mesh too, ~3,000 groups at 512 ranks, and end large jobs at start with "Too
+    many open files". The per-step control vector travels as a device tensor (NCCL) on CUDA."""
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
+GROUP_BACKEND_CUDA = "nccl"  # every group but the world's, on CUDA
 DEFAULT_TIMEOUT_MINUTES = 10.0  # parallel.timeout_minutes' default
+NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # <run_dir>/nccl_trace_rank_<rank>: NCCL's flight recorder dumps
+
+_original_new_group = None
 
 
-def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> Layout:
+def _nccl_for_new_groups() -> None:
+    """On CUDA: a group created without a backend (megatron's parallel_state, DeepSpeed) gets NCCL
+    instead of inheriting the world's mixed backend and a gloo mesh of its own. Undone by ``teardown``."""
+    global _original_new_group
+    if _original_new_group is not None:
+        return
+    original = _original_new_group = dist.new_group
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def new_group(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        if bound.arguments.get("backend") is None:
+            bound.arguments["backend"] = GROUP_BACKEND_CUDA
+        return original(*bound.args, **bound.kwargs)
+
+    dist.new_group = new_group
+
+
+def _restore_new_group() -> None:
+    global _original_new_group
+    if _original_new_group is not None:
+        dist.new_group, _original_new_group = _original_new_group, None
+
+
+def cuda_environment(tp: int, run_dir: Path | None) -> dict[str, str]:
+    """What a CUDA run sets in its environment before the first NCCL communicator or CUDA context.
+
+    * NCCL's async error handling: a collective that times out tears the process down (a frozen peer
+      ends the job instead of holding it; ``srun --kill-on-bad-exit`` and torchrun end the rest);
+    * its flight recorder: the last collectives of every rank, dumped on a timeout into
+      ``<run_dir>/nccl_trace_rank_<rank>`` (read with ``python -m torch.distributed.flight_recorder``);
+    * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under TP: megatron's TP communication overlap relies on kernels
+      being issued in order."""
+    env = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down, without cleanup that can hang on a dead peer
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    if run_dir is not None:
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(run_dir) / NCCL_TRACE_PREFIX)
+    if tp > 1:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return env
+
+
+def _configure_cuda(tp: int, run_dir: Path | None) -> None:
+    """``cuda_environment``, where the site has not set a value of its own."""
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    for key, value in cuda_environment(tp, run_dir).items():
+        os.environ.setdefault(key, value)
+
+
+def init(
+    tp: int = 1,
+    cp: int = 1,
+    timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+    run_dir: Path | None = None,
+) -> Layout:
     """Initialise torch.distributed (see ``backend_for``) and megatron's parallel_state.
 
     megatron's rank order is tp-cp-dp (TP fastest): the CP ranks of one sequence are ``tp`` apart, and
@@ -128,8 +193,8 @@ def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINU
     ``timeout_minutes`` (``parallel.timeout_minutes``) is the collective timeout of every group, the
     default one and megatron's (a mixed backend string would otherwise get torch's 30 minutes): a rank
     that stops answering ends a collective with an error instead of holding the job. megatron's own
-    extra gloo groups are not created (nothing here uses them; at 512 ranks they are thousands of
-    sockets per process)."""
+    extra gloo groups are not created (nothing here uses them). On CUDA, ``run_dir`` receives NCCL's
+    flight-recorder dumps (``cuda_environment``)."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
@@ -137,6 +202,8 @@ def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINU
     if timeout_minutes <= 0:
         raise LayoutError(f"parallel.timeout_minutes must be > 0, got {timeout_minutes}")
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    if cuda:
+        _configure_cuda(tp, run_dir)
     if not dist.is_initialized():
         backend = backend_for(cuda)
         if "RANK" in os.environ:  # torchrun (or Slurm via a launcher) set up the rendezvous
@@ -145,6 +212,8 @@ def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINU
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
             url = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1, timeout=timeout)
+    if cuda:
+        _nccl_for_new_groups()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -176,6 +245,31 @@ def init(tp: int = 1, cp: int = 1, timeout_minutes: float = DEFAULT_TIMEOUT_MINU
     )
 
 
+# what a collective says when a peer stopped answering (gloo's timeout and reset texts, NCCL's watchdog)
+_PEER_LOST = (
+    "Timed out",
+    "timed out",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+def collective_failure(error: BaseException, timeout_minutes: float) -> str | None:
+    """The reason ``last_exit.json`` records when ``error`` is a collective that lost a peer (None
+    otherwise): the collective error alone names a socket, not what happened to the job."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not any(m in text for m in _PEER_LOST):
+        return None
+    what = "timed out" if "imed out" in text else "lost its connection to a peer"
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return (
+        f"a collective {what} (parallel.timeout_minutes={timeout_minutes:g}): another rank stopped "
+        f"answering (frozen, dead or far behind; see its log); {type(error).__name__}: {first}"
+    )
+
+
 def teardown(barrier: bool = True) -> None:
     """Barrier, destroy megatron's and torch's groups. Idempotent. After an error on this rank, skip the
     barrier: the other ranks may never reach it, and the error must surface instead of a hang."""
@@ -188,6 +282,7 @@ def teardown(barrier: bool = True) -> None:
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
+            _restore_new_group()
 
 
 def exit_process(code: int = 0) -> None:

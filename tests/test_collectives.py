@@ -14,8 +14,9 @@ from goat_dist.trainer.control import FINGERPRINT_MOD, agree
 
 
 def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
-    """NCCL reduces only CUDA tensors; the trainer's control values are CPU tensors. A CUDA run must get a
-    backend serving both device types (checked here by faking CUDA; the GPU suite runs it for real)."""
+    """NCCL reduces only CUDA tensors; the rare host-side collectives pass CPU tensors to the world group.
+    A CUDA run's world group must serve both device types (checked here by faking CUDA; the GPU suite runs
+    it for real); every later group is NCCL only (tests/test_process_groups.py)."""
     seen = {}
 
     class Stop(Exception):
@@ -29,6 +30,7 @@ def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", fake_init_process_group)
     monkeypatch.setattr(distributed, "apply_cpu_compat", lambda: False)
+    monkeypatch.setattr(distributed, "_configure_cuda", lambda tp, run_dir: None)  # NCCL's env, not here
     with pytest.raises(Stop):
         distributed.init(tp=1)
     backends = dict(part.split(":") for part in seen["backend"].split(","))
@@ -144,15 +146,50 @@ def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, 
     import torch
     from multiproc import in_process_config
 
-    from goat_dist.trainer.precision import resolve_precision
+    from goat_dist.trainer.parallelize import PRIOR_FP32_STAGES, deepspeed_config
+    from goat_dist.trainer.precision import autocast_context, resolve_precision
     from goat_dist.trainer.trainer import Trainer
 
-    assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16"
+    cuda = torch.device("cuda", 0)
+    assert resolve_precision("auto", cuda) == "bf16"
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
-    assert resolve_precision("fp32", torch.device("cuda", 0)) == "fp32"
+    assert resolve_precision("fp32", cuda) == "fp32"
+    # what the trainer builds on CUDA from "auto": DeepSpeed's bf16 mode (fp32 masters; the prior stays
+    # fp32 under ZeRO 0-2), with bf16 autocast; not autocast over fp32 DeepSpeed weights
+    on_cuda = in_process_config(builtin_cache, tmp_path / "cuda", "train.precision=auto")
+    on_cuda.train.precision = resolve_precision(on_cuda.train.precision, cuda)
+    assert deepspeed_config(on_cuda, 1)["bf16"] == {"enabled": True}
+    assert on_cuda.parallel.zero_stage in PRIOR_FP32_STAGES
+    assert autocast_context(on_cuda, cuda)().fast_dtype == torch.bfloat16
     cfg = in_process_config(builtin_cache, tmp_path / "run", "train.precision=auto", "train.max_steps=1")
     trainer = Trainer(cfg)
     assert trainer.cfg.train.precision == "fp32"  # resolved before the engine was built
     assert trainer.layout_record()["precision"] == "fp32"
     trainer.fit()
     assert "precision: fp32" in (tmp_path / "run" / "config.yaml").read_text()  # the saved config says so
+
+
+def test_a_lost_peer_is_recorded_by_another_rank_when_rank0_is_silent(tmp_path, monkeypatch):
+    """A collective that timed out names the timeout in last_exit.json; rank 0 may be the frozen one, so
+    another rank writes the record when rank 0 has not within the grace period, and only then."""
+    import json
+
+    from goat_dist.trainer import entry
+
+    error = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv")
+    reason = distributed.collective_failure(error, 1.0)
+    assert reason.startswith("a collective timed out (parallel.timeout_minutes=1)") and "60000ms" in reason
+    reset = RuntimeError("Read error [127.0.0.1]:1: Connection reset by peer")
+    assert "lost its connection to a peer" in distributed.collective_failure(reset, 10.0)
+    assert distributed.collective_failure(ValueError("bad value"), 1.0) is None
+
+    cfg = in_process_config(tmp_path, tmp_path / "run")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(entry, "QUIET_RANK_GRACE_S", 0.3)
+    entry._record_exit(cfg, "failed", "ValueError: mine alone", 3, 1)  # not a lost peer: rank 0's to say
+    assert not (tmp_path / "run" / "last_exit.json").exists()
+    entry._record_exit(cfg, "failed", reason, 3, 1, any_rank=True)  # rank 0 silent: this rank writes
+    record = json.loads((tmp_path / "run" / "last_exit.json").read_text())
+    assert record["status"] == "failed" and record["reason"] == reason and record["step"] == 3
+    entry._record_exit(cfg, "failed", "another rank's reason", 3, 1, any_rank=True)  # one is there: kept
+    assert json.loads((tmp_path / "run" / "last_exit.json").read_text())["reason"] == reason

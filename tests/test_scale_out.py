@@ -121,13 +121,15 @@ def test_bf16_layout_matches_single_process(name, nproc, overrides, reference_bf
 @pytest.mark.parametrize("position", ["goat", "rope"])
 def test_tp2_sp_gradients_equal_single_process(world1, tmp_path, position):
     sys.path.insert(0, str(ROOT / "tests" / "workers"))
-    from tp_grads import tiny_batch, tiny_config
+    from tp_grads import TP_ALL_REDUCES, tiny_batch, tiny_config
 
     from goat_dist.model import GPT
 
     out = tmp_path / "grads.pt"
     torchrun(2, [str(ROOT / "tests" / "workers" / "tp_grads.py"), str(out), "2", "sp", position])
     sharded = torch.load(out, weights_only=True)
+    # the norms (SP) and, for GOAT, the sink MLP: one coalesced TP all-reduce, not one per parameter
+    assert int(sharded.pop(TP_ALL_REDUCES)) == 1
 
     cfg = tiny_config(position)
     torch.manual_seed(0)

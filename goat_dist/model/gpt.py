@@ -68,6 +68,7 @@ class ParallelMLP(nn.Module):
             gather_output=False,
             stride=2 if self.swiglu else 1,
         )
+        self.fc1.weight_stride = 2 if self.swiglu else 1  # megatron keeps it only in its own init
         self.fc2 = tensor_parallel.RowParallelLinear(
             ffn,
             cfg.hidden_size,
@@ -104,12 +105,52 @@ class TransformerBlock(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+SHARD_BLOCK = 64  # rows (columns of a row-parallel weight) per independently seeded block
+
+
+def _block_seed(base: int, index: int, block: int) -> int:
+    return (base * 0x9E3779B1 + index * 0x85EBCA77 + block * 0xC2B2AE3D) % 2**62
+
+
+def _normal_span(like, dim: int, full: int, start: int, length: int, std: float, seeds) -> torch.Tensor:
+    """Elements [start, start + length) along ``dim`` of a full N(0, std) tensor that is cut into blocks
+    of SHARD_BLOCK along ``dim``, each drawn from its own seed (``seeds(block)``): only the blocks that
+    the span covers are drawn."""
+    first, last = start // SHARD_BLOCK, (start + length - 1) // SHARD_BLOCK
+    gen = torch.Generator(device=like.device)
+    blocks = []
+    for block in range(first, last + 1):
+        shape = list(like.shape)
+        shape[dim] = min(SHARD_BLOCK, full - block * SHARD_BLOCK)
+        gen.manual_seed(seeds(block))
+        blocks.append(torch.empty(shape, dtype=like.dtype, device=like.device).normal_(0, std, generator=gen))
+    return torch.cat(blocks, dim).narrow(dim, start - first * SHARD_BLOCK, length)
+
+
+@torch.no_grad()
+def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) -> None:
+    """Fill this rank's TP shard of a weight split along ``dim`` (megatron's ``stride``-interleaved
+    split) with the values the whole weight would have at any TP size: every value depends only on its
+    global position (``_normal_span``), and a rank draws only its own shard, on the weight's device."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    full = weight.shape[dim] * tp
+    chunk = full // (tp * stride)  # megatron's split: rank r holds chunks r, r + tp, ... of the full weight
+    pieces = [
+        _normal_span(weight, dim, full, (s * tp + rank) * chunk, chunk, std, seeds) for s in range(stride)
+    ]
+    weight.copy_(torch.cat(pieces, dim))
+    if not hasattr(weight, "tensor_model_parallel"):
+        tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
+
+
 class GPT(nn.Module):
     def __init__(
         self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: str = "none"
     ):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        base_seed = int(torch.randint(0, 2**62, (1,)))  # from the global seed, identical on every rank
         self.cfg = cfg
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -118,8 +159,8 @@ class GPT(nn.Module):
         mp = ModelParallelConfig(
             tensor_model_parallel_size=tp,
             sequence_parallel=sequence_parallel,
-            use_cpu_initialization=True,  # same initial weights for every TP size, from the global seed
-            perform_initialization=True,
+            use_cpu_initialization=False,  # allocated on the device; filled by _init_shards
+            perform_initialization=False,  # megatron's own init draws every full weight on every rank
             params_dtype=torch.float32,
             gradient_accumulation_fusion=False,
         )
@@ -147,6 +188,26 @@ class GPT(nn.Module):
                 bias=False,
                 gather_output=False,
             )
+        self._init_shards(base_seed, std, std / math.sqrt(2 * cfg.num_layers))
+
+    def _init_shards(self, base_seed: int, std: float, out_std: float) -> None:
+        """Initialise megatron's TP layers, each rank only its shards, to the same values for every TP
+        size (``init_shard_``): N(0, std), N(0, out_std) for the output projections of the residual
+        branches (the row-parallel layers), zero biases. Layers are numbered in module order, the same
+        at every TP size."""
+        layers = (tensor_parallel.VocabParallelEmbedding, tensor_parallel.ColumnParallelLinear)
+        index = 0
+        for module in self.modules():
+            row = isinstance(module, tensor_parallel.RowParallelLinear)
+            if not (row or isinstance(module, layers)):
+                continue
+            stride = getattr(module, "weight_stride", 1)
+            seeds = lambda block, index=index: _block_seed(base_seed, index, block)
+            init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds)
+            if getattr(module, "bias", None) is not None:
+                with torch.no_grad():
+                    module.bias.zero_()
+            index += 1
 
     # ---- forward ----------------------------------------------------------------------------------
     def hidden_states(

@@ -3,9 +3,9 @@
 Everything the ranks must agree on after the last backward of a step travels in one small float64
 vector, summed over the whole world: the loss, the data fingerprint, the skip count and the count of
 labels that carry loss, whether any loss or gradient was non-finite, whether a stop signal arrived, and
-rank 0's clock-based decisions (a time-interval checkpoint, a deadline). One host sync (the device values
-join the vector) and one all-reduce per step; values that are only logged are reduced at log intervals
-instead.
+rank 0's clock-based decisions (a time-interval checkpoint, a deadline). One all-reduce per step, on the
+device (NCCL on CUDA), and one host sync: reading its result. Values that are only logged are reduced at
+log intervals instead.
 
 Why a sum over the world: flags become "any rank" (sum > 0); values that every tensor-parallel peer holds
 identically (loss, fingerprint, skip count, valid labels) are summed over all ranks and divided by the TP
@@ -14,7 +14,6 @@ size, exactly. Clock decisions are contributed by rank 0 only, so every rank act
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +23,14 @@ import torch.distributed as dist
 # modulus of a sum is the sum of the moduli, so the result does not depend on the layout.
 FINGERPRINT_MOD = 2_147_483_647
 
-_FIELDS = (
+# the reduced vector: the device values first, then the host values
+_VECTOR_ORDER = (
     "loss",
+    "nonfinite_loss",
+    "nonfinite_grad",
     "fingerprint",
     "skipped",
     "valid_labels",
-    "nonfinite_loss",
-    "nonfinite_grad",
     "signal",
     "save_due",
     "deadline",
@@ -83,32 +83,30 @@ def agree(
 ) -> StepControl:
     """Collective over the whole world; every rank calls it once per step, after the last backward.
 
-    ``loss_sum``, ``nonfinite_loss`` and ``nonfinite_grad`` may live on the device: they are moved to the
-    host together (the step's one host sync). Context parallel: the CP ranks of a replica hold the same
-    batch (fingerprint, skip count, valid labels) and losses whose CP mean is the rows' mean, like TP peers.
+    ``loss_sum``, ``nonfinite_loss`` and ``nonfinite_grad`` may live on the device: the vector is built
+    there (the host values join it with one asynchronous copy) and reduced there (NCCL on CUDA, gloo on
+    CPU), so the step's one host sync is reading the reduced vector. Context parallel: the CP ranks of a
+    replica hold the same batch (fingerprint, skip count, valid labels) and losses whose CP mean is the
+    rows' mean, like TP peers.
     """
     peers = tp * cp  # ranks of one replica that hold the same batch
-    loss, bad_loss, bad_grad = (
-        torch.stack([loss_sum.detach().double(), nonfinite_loss.double(), nonfinite_grad.double()])
-        .cpu()
-        .tolist()
-    )
     rank0 = dist.get_rank() == 0
-    local = [
-        loss if math.isfinite(loss) else 0.0,  # a NaN must not poison the sum; the flags carry it
+    device_part = torch.stack(
+        [loss_sum.detach().double(), nonfinite_loss.to(loss_sum.device).double(), nonfinite_grad.double()]
+    )
+    device_part = device_part.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # the flags carry a NaN loss
+    host_part = [
         float(fingerprint % FINGERPRINT_MOD),
         float(skipped),
         float(valid_labels),  # host ints: exact in float64 up to 2**53
-        bad_loss,
-        bad_grad,
         float(signal),
         float(save_due and rank0),
         float(deadline and rank0),
     ]
-    vector = torch.tensor(local, dtype=torch.float64)
+    host = torch.tensor(host_part, dtype=torch.float64)
+    vector = torch.cat([device_part, host.to(device_part.device, non_blocking=True)])
     dist.all_reduce(vector)
-    v = vector.tolist()
-    values = dict(zip(_FIELDS, v))
+    values = dict(zip(_VECTOR_ORDER, vector.tolist()))
     return StepControl(
         loss=values["loss"] / (peers * dp * micro_batches),
         fingerprint=int(round(values["fingerprint"])) // peers % FINGERPRINT_MOD,

@@ -40,7 +40,9 @@ def run(cfg: Config) -> RunState:
     except BaseException as e:
         distributed.teardown(barrier=False)
         step = trainer.state.step if trainer is not None else None
-        _record_exit(cfg, "failed", f"{type(e).__name__}: {e}", step, exit_code_for(e))
+        lost = distributed.collective_failure(e, cfg.parallel.timeout_minutes)
+        reason = lost or f"{type(e).__name__}: {e}"
+        _record_exit(cfg, "failed", reason, step, exit_code_for(e), any_rank=lost is not None)
         raise
     distributed.teardown()
     if state.stop_requested:
@@ -127,6 +129,20 @@ def report_user_error(
     return exit_code_for(error)
 
 
+def _failure_recorded(run_dir: Path) -> bool:
+    """Within ``QUIET_RANK_GRACE_S``, a ``failed`` record of this run appears in ``last_exit.json``."""
+    deadline = time.monotonic() + QUIET_RANK_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            record = json.loads((Path(run_dir) / "last_exit.json").read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("time", 0) >= _STARTED and record.get("status") == "failed":
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _rank0_reported(error: BaseException, run_dir: Path | None) -> bool:
     if run_dir is None:
         return False
@@ -144,8 +160,13 @@ def _rank0_reported(error: BaseException, run_dir: Path | None) -> bool:
     return False
 
 
-def _record_exit(cfg: Config, status: str, reason: str | None, step: int | None, exit_code: int) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
+def _record_exit(
+    cfg: Config, status: str, reason: str | None, step: int | None, exit_code: int, any_rank: bool = False
+) -> None:
+    """Rank 0 writes the record. With ``any_rank`` (a collective that lost a peer: rank 0 itself may be
+    the frozen or dead one) another rank writes it too, unless rank 0 records a failure within
+    ``QUIET_RANK_GRACE_S``."""
+    if int(os.environ.get("RANK", "0")) != 0 and (not any_rank or _failure_recorded(cfg.run_dir)):
         return
     record = {"status": status, "reason": reason, "step": step, "exit_code": exit_code, "time": time.time()}
     try:

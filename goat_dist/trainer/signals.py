@@ -4,27 +4,47 @@ SIGTERM and SIGUSR1 (what Slurm sends before a preemption or time limit) and a f
 flag; the flag travels in the step's one collective (``control.agree``), so at the next step boundary
 all ranks agree, save a checkpoint and exit with ``EXIT_CHECKPOINTED`` so that a job script can requeue.
 A second SIGINT aborts at once.
+
+Hangs: while installed, every thread's Python stack goes to stderr when one step runs longer than
+``hang_after_s`` (a watchdog re-armed at every step start, ``faulthandler.dump_traceback_later``), and on
+SIGUSR2 at any time (``scancel --signal=USR2 <job>``, ``kill -USR2 <pid>``). A rank waiting in a
+collective dumps its stacks before the collective's timeout (``parallel.timeout_minutes``) ends the job.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 
 EXIT_CHECKPOINTED = 75  # EX_TEMPFAIL: "try again", the run can continue from its latest checkpoint
 _NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
 
 
+HANG_SIGNAL = signal.SIGUSR2  # dump every thread's stack (faulthandler), the run goes on
+HANG_FRACTION = 0.9  # of the collective timeout: the stacks come out before the timeout's error
+STDERR_FD = 2  # the process's stderr, whatever a test harness put in sys.stderr
+
+
 class StopSignals:
-    def __init__(self):
+    def __init__(self, hang_after_s: float | None = None):
         self.received: str | None = None
+        self.hang_after_s = hang_after_s
         self._previous = {}
 
     def install(self) -> StopSignals:
         for sig in _NAMES:
             self._previous[sig] = signal.signal(sig, self._handle)
+        faulthandler.register(HANG_SIGNAL, file=STDERR_FD, all_threads=True)
         return self
 
+    def step_started(self) -> None:
+        """Re-arm the hang watchdog: stacks to stderr unless the next step starts within hang_after_s."""
+        if self.hang_after_s:
+            faulthandler.dump_traceback_later(self.hang_after_s, repeat=False, file=STDERR_FD)
+
     def uninstall(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(HANG_SIGNAL)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

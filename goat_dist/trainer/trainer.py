@@ -25,7 +25,7 @@ from .faults import fault_due, fault_hook, kill_after
 from .memory import training_state_bytes
 from .parallelize import parallelize
 from .precision import autocast_context, resolve_precision
-from .signals import StopSignals
+from .signals import HANG_FRACTION, StopSignals
 from .state import RunState
 
 
@@ -48,9 +48,8 @@ def gradient_accumulation(cfg: Config, dp: int) -> int:
 class Trainer:
     def __init__(self, cfg: Config, callbacks: list[Callback] | None = None):
         self.cfg = cfg
-        self.layout = distributed.init(
-            tp=cfg.parallel.tp, cp=cfg.parallel.cp, timeout_minutes=cfg.parallel.timeout_minutes
-        )
+        p = cfg.parallel
+        self.layout = distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=cfg.run_dir)
         cfg.train.precision = resolve_precision(cfg.train.precision, self.layout.device)
         m = cfg.model
         distributed.check_layout(
@@ -87,7 +86,7 @@ class Trainer:
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
         self.contract = data_contract.data_contract(cfg, self.sources)
         self.resumed_from = self._resume()
-        self.signals = StopSignals()
+        self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
         self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
         self._nonfinite_in_row = 0
 
@@ -268,8 +267,8 @@ class Trainer:
 
     def _batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         b = next(it)
-        dev = self.layout.device
-        return b["tokens"].to(dev), b["position_ids"].to(dev), b["labels"].to(dev), b
+        move = lambda t: t.to(self.layout.device, non_blocking=True)  # no host sync per micro-batch
+        return move(b["tokens"]), move(b["position_ids"]), move(b["labels"]), b
 
     def train_step(self, it) -> StepControl:
         """One optimizer step (``grad_accum`` micro-batches) and the step's one collective.
@@ -433,6 +432,7 @@ class Trainer:
         observed = StepMetrics(cfg, self.engine.module, replicas, self._train_loader.dataset)
         window_start, window_steps = time.perf_counter(), 0
         while state.step < cfg.train.max_steps:
+            self.signals.step_started()  # the hang watchdog: stacks of this rank if the step never ends
             t0 = time.perf_counter()
             lr = self.engine.get_lr()[0]  # the rate this step uses
             control = self.train_step(it)

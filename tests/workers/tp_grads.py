@@ -1,5 +1,6 @@
 """torchrun worker: one forward/backward of a tiny GPT under the given TP/SP; rank 0 saves the
-gathered (full, TP=1-shaped) gradients. Used by tests/test_scale_out.py."""
+gathered (full, TP=1-shaped) gradients and the count of TP-sum all-reduces. Used by
+tests/test_scale_out.py."""
 
 import sys
 import warnings
@@ -14,16 +15,19 @@ from goat_dist.config import ModelConfig  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
 from goat_dist.trainer.parallelize import add_tp_grad_allreduce  # noqa: E402
 
+TP_ALL_REDUCES = "_tp_all_reduces"  # the saved count of the backward's TP-sum collectives
+
 
 def main(out: str, tp: int, sp: bool, position: str) -> None:
     layout = distributed.init(tp=tp)
     cfg = tiny_config(position)
     torch.manual_seed(0)
     model = GPT(cfg, sequence_parallel=sp)
-    add_tp_grad_allreduce(model)
+    tp_sum = add_tp_grad_allreduce(model)
     tokens, positions, labels = tiny_batch(cfg)
     model(tokens, positions, labels).backward()
     grads = {name: full_gradient(p) for name, p in model.named_parameters()}
+    grads[TP_ALL_REDUCES] = torch.tensor(tp_sum.all_reduces if tp_sum else 0)
     if layout.rank == 0:
         torch.save(grads, out)
     distributed.exit_process(0)
