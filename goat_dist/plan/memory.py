@@ -114,17 +114,19 @@ def total_params(cfg: ModelConfig) -> int:
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------
 # DeepSpeed's options that size its buffers, as ``trainer/parallelize.deepspeed_config`` sets them (a test
 # compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, DeepSpeed's
-# defaults for the rest (``contiguous_gradients`` on; ``overlap_comm`` only at ZeRO-3, which double-buffers
-# the ZeRO-1/2 reduce bucket when on). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
+# ``contiguous_gradients`` and ``overlap_comm`` on at every stage (overlap double-buffers the ZeRO-1/2 reduce
+# bucket; ZeRO-0 has none). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
 # at most ``ZERO0_ALLREDUCE_ELEMENTS`` (``engine.MEMORY_OPT_ALLREDUCE_SIZE``).
 ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 def zero_options(cfg: Config) -> dict:
-    """The DeepSpeed ZeRO settings the byte counts below assume for ``cfg``."""
-    stage = cfg.parallel.zero_stage
-    return {"reduce_bucket_size": cfg.model.hidden_size**2, "overlap_comm": stage == 3,
-            "contiguous_gradients": True}  # fmt: skip
+    """The DeepSpeed ZeRO settings the byte counts below assume for ``cfg`` (the same at every stage)."""
+    return {
+        "reduce_bucket_size": cfg.model.hidden_size**2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    }
 
 
 def _ceil_div(a: int, b: int) -> int:
