@@ -359,3 +359,25 @@ def test_alibi_flash_gets_the_slopes(world1, flash32):
     assert len(seen) == 2 and all(
         s is not None and s.dtype == torch.float32 and s.shape == (4,) for s in seen
     )
+
+
+def test_packed_documents_are_found_once_per_forward_not_per_layer(world1, flash32, monkeypatch):
+    """Finding the documents syncs with the host (``kernels.cu_seqlens``); every layer of one forward reuses
+    the answer, so a 2-layer forward computes it once."""
+    import sys
+
+    cfg, _, flash = model_pair("goat")
+    found = []
+    nonzero = torch.nonzero
+
+    def spy(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "cu_seqlens":
+            found.append(1)
+        return nonzero(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "nonzero", spy)
+    row = torch.cat([torch.arange(7, 22), torch.arange(0, 30), torch.arange(0, 19)])
+    positions = torch.stack([row, torch.arange(64)])
+    flash(torch.randint(0, cfg.vocab_size, positions.shape), positions)
+    assert len(flash32.calls) == cfg.num_layers == 2
+    assert len(found) == 1

@@ -363,12 +363,20 @@ def flash_attention(q, k, v, *, causal: bool, scale: float, segments=None, **ext
 
 def cu_seqlens(segments: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Packed documents of (B, L) ``segments`` as a varlen kernel takes them: int32 cumulative lengths
-    over the flattened batch (documents never span rows) and the longest document."""
+    over the flattened batch (documents never span rows) and the longest document.
+
+    Finding the documents needs the host (their number and the longest one size the kernel's grid), so
+    the answer is kept on the ``segments`` tensor: the model makes it once per forward and every layer,
+    and an activation-checkpointing recompute, reuse it (one host sync per micro-batch, not per layer)."""
+    cached = getattr(segments, "_goat_cu_seqlens", None)
+    if cached is not None:
+        return cached
     B, L = segments.shape
     flat = (segments + torch.arange(B, device=segments.device)[:, None] * (L + 1)).flatten()
     starts = torch.nonzero(torch.diff(flat, prepend=flat[:1] - 1)).flatten()
     cu = torch.cat([starts, starts.new_tensor([B * L])]).to(torch.int32)
-    return cu, int(torch.diff(cu).max())
+    segments._goat_cu_seqlens = (cu, int(torch.diff(cu).max()))
+    return segments._goat_cu_seqlens
 
 
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:

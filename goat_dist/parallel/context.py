@@ -196,6 +196,38 @@ def context_attention(
     return torch.cat(outs, dim=1)
 
 
+def _varlen_index(shard: ContextShard, start: int, B: int, c: int, S: int, device):
+    """The varlen kernel's view of chunk ``[start, start + c)`` against keys ``[0, S)`` under packed
+    documents: the gathered key rows, cumulative query and key lengths, the longest of each. It needs the
+    host (document boundaries), so it is computed once per forward and chunk and kept on the shard, which
+    every layer shares (one host sync per chunk and micro-batch, not per layer)."""
+    cache = shard.__dict__.setdefault("_varlen", {})
+    if (start, c, S) in cache:
+        return cache[(start, c, S)]
+    seg_q = shard.segments[:, start : start + c]
+    seg_k = shard.segments[:, :S].contiguous()
+    key_index, cu_q, cu_k = [], [0], [0]
+    for b in range(B):
+        docs, counts = torch.unique_consecutive(seg_q[b], return_counts=True)
+        first_key = torch.searchsorted(seg_k[b], docs).tolist()  # segment ids never decrease along a row
+        end = start
+        for d_first, n in zip(first_key, counts.tolist()):
+            end += n
+            key_index.append(torch.arange(d_first, end, device=device) + b * S)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end - d_first)
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    cache[(start, c, S)] = (
+        torch.cat(key_index),
+        torch.tensor(cu_q, dtype=torch.int32, device=device),
+        torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max(lengths_q),
+        max(lengths_k),
+    )
+    return cache[(start, c, S)]
+
+
 def _flash_chunk(q, k, v, start, shard, scale, slopes):
     extra = {} if slopes is None else {"alibi_slopes": slopes.to(device=q.device, dtype=torch.float32)}
     if shard.segments is None:  # Lq < Lk: flash-attn's causal mask is bottom-right aligned
@@ -208,29 +240,15 @@ def _flash_chunk(q, k, v, start, shard, scale, slopes):
     dv = v.shape[-1]
     if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
-    seg_q = shard.segments[:, start : start + c]
-    seg_k = shard.segments[:, :S].contiguous()
-    key_index, cu_q, cu_k = [], [0], [0]
-    for b in range(B):
-        docs, counts = torch.unique_consecutive(seg_q[b], return_counts=True)
-        first_key = torch.searchsorted(seg_k[b], docs).tolist()  # segment ids never decrease along a row
-        end = start
-        for d_first, n in zip(first_key, counts.tolist()):
-            end += n
-            key_index.append(torch.arange(d_first, end, device=q.device) + b * S)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end - d_first)
-    keys = torch.cat(key_index)
-    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
-    cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+    keys, cu_q_t, cu_k_t, max_q, max_k = _varlen_index(shard, start, B, c, S, q.device)
     out = flash.flash_attn_varlen_func(
         fa2_ready(q.reshape(B * c, *q.shape[2:])),  # a view of the projection: 16-byte loads
         k.reshape(B * S, *k.shape[2:])[keys],  # gathered: fresh, aligned copies
         v.reshape(B * S, *v.shape[2:])[keys],
         cu_q_t,
         cu_k_t,
-        int(torch.diff(cu_q_t).max()),
-        int(torch.diff(cu_k_t).max()),
+        max_q,
+        max_k,
         softmax_scale=scale,
         causal=True,  # per document, bottom-right: query start+i sees its document's keys up to itself
         **extra,
