@@ -134,6 +134,10 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) 
     global position (``_normal_span``), and a rank draws only its own shard, on the weight's device."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    if weight.device.type == "meta":  # shapes only (the planner's dry run): nothing to draw
+        if not hasattr(weight, "tensor_model_parallel"):
+            tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
+        return
     full = weight.shape[dim] * tp
     chunk = full // (tp * stride)  # megatron's split: rank r holds chunks r, r + tp, ... of the full weight
     pieces = [
@@ -150,7 +154,9 @@ class GPT(nn.Module):
     ):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        base_seed = int(torch.randint(0, 2**62, (1,)))  # from the global seed, identical on every rank
+        # from the global seed, identical on every rank; on the CPU generator also when the model is built
+        # under a device context (the planner materialises shards on the meta device)
+        base_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         self.cfg = cfg
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -159,7 +165,9 @@ class GPT(nn.Module):
         mp = ModelParallelConfig(
             tensor_model_parallel_size=tp,
             sequence_parallel=sequence_parallel,
-            use_cpu_initialization=False,  # allocated on the device; filled by _init_shards
+            # allocated on the device and filled by _init_shards; under a device context (the planner
+            # builds shards on the meta device) megatron's "CPU" allocation follows the context instead
+            use_cpu_initialization=torch.get_default_device().type == "meta",
             perform_initialization=False,  # megatron's own init draws every full weight on every rank
             params_dtype=torch.float32,
             gradient_accumulation_fusion=False,
