@@ -218,7 +218,7 @@ def load_shapes(path: Path) -> list[ModelShape]:
 
     spec = yaml.safe_load(path.read_text()) or {}
     if isinstance(spec.get("runs"), dict):  # a study: its training config under each run's overrides
-        from goat_dist.evaluation.study import load_study
+        from goat_dist.evaluation.study.spec import load_study
 
         study = load_study(path)
         return [

@@ -42,6 +42,9 @@ VARIANTS = {
         "model.tie_embeddings=false",
     ],
     "none": ["model.position=none"],
+    # the study's ablations: no sink MLP (abs_rank 0), and neither it nor K_rel (the slope and bump only)
+    "goat-no-sink": ["model.position=goat", "model.goat.abs_rank=0"],
+    "goat-slope-only": ["model.position=goat", "model.goat.abs_rank=0", "model.goat.pos_rank=0"],
     "learned": ["model.position=learned"],
 }
 
@@ -108,7 +111,7 @@ def test_rope_exports_as_a_plain_llama(exported):
     assert (got - _goat_logits(model, tokens, positions)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("position", ["goat", "alibi", "none", "learned"])
+@pytest.mark.parametrize("position", ["goat", "alibi", "none", "learned", "goat-no-sink", "goat-slope-only"])
 def test_remote_code_logits_match(exported, position):
     model, out = exported[position]
     config = json.loads((out / "config.json").read_text())

@@ -45,6 +45,32 @@ def test_model_config_parses_and_its_size_matches_its_name(path):
     assert plan["verdict"] == "fits", (path.name, plan["headroom"])
 
 
+@pytest.mark.parametrize(
+    "ablation",
+    [
+        ["model.goat.abs_rank=0"],
+        ["model.goat.pos_rank=0"],
+        ["model.goat.pos_rank=0", "model.goat.abs_rank=0"],
+    ],
+    ids=["no-sink", "no-spectral", "slope-only"],
+)
+def test_inventory_holds_for_goats_ablations(world1, ablation):
+    """pos_rank 0 / abs_rank 0 build no K_rel / no sink MLP: the planner and the FLOP count agree."""
+    from goat_dist.model import GPT
+    from goat_dist.observe import flops
+
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2",
+                             "model.vocab_size=1000", "model.seq_len=32", "model.position=goat",
+                             *ablation])  # fmt: skip
+    model = GPT(cfg.model)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert built == [(p.name, p.shape) for p in param_inventory(cfg.model, 1)]
+    assert not any(0 in shape for _, shape in built)  # no empty parameters for ZeRO to partition
+    embedding = {"embedding.weight", "output.weight"}
+    counted = sum(p.numel() for name, p in model.named_parameters() if name not in embedding)
+    assert flops.non_embedding_params(cfg.model) == counted
+
+
 @pytest.mark.parametrize("position", ["goat", "rope", "alibi", "learned"])
 @pytest.mark.parametrize("extra", [[], ["model.bias=true", "model.norm=layernorm", "model.activation=gelu",
                                         "model.tie_embeddings=false", "model.num_kv_heads=2"]])  # fmt: skip

@@ -137,8 +137,8 @@ class GoatPrior(nn.Module):
         total_kv_heads: int | None = None,
     ):
         super().__init__()
-        if pos_rank < 0 or abs_rank < 1:
-            raise ValueError(f"pos_rank must be >= 0 and abs_rank >= 1, got {pos_rank}, {abs_rank}")
+        if pos_rank < 0 or abs_rank < 0:
+            raise ValueError(f"pos_rank and abs_rank must be >= 0, got {pos_rank}, {abs_rank}")
         if prior_init not in ("seeded", "uniform"):
             raise ValueError(f"prior_init must be 'seeded' or 'uniform', got {prior_init!r}")
         if training_seq_len < 1:
@@ -156,11 +156,14 @@ class GoatPrior(nn.Module):
 
         self.register_buffer("rel_freqs", geometric_frequencies(pos_rank, pos_base), persistent=False)
         self.register_buffer("abs_freqs", geometric_frequencies(abs_rank, abs_base), persistent=False)
-        self.lambda_sym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
-        self.lambda_asym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
+        if pos_rank > 0:  # pos_rank 0: no K_rel, and no empty parameters for checkpoints to hold
+            self.lambda_sym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
+            self.lambda_asym = nn.Parameter(torch.empty(num_kv_heads, pos_rank))
         if key_bias:
-            self.sink_mlp = SinkMLP(2 * abs_rank + 2)
-            self.sink_gain = nn.Parameter(torch.empty(num_kv_heads))
+            # abs_rank 0: no sink MLP (and no gain to scale it); u(j) keeps the token-0 bump and the recency
+            self.sink_mlp = SinkMLP(2 * abs_rank + 2) if abs_rank > 0 else None
+            if abs_rank > 0:
+                self.sink_gain = nn.Parameter(torch.empty(num_kv_heads))
             self.sink_bump = nn.Parameter(torch.empty(num_kv_heads))
             self.recency_slope_raw = nn.Parameter(torch.empty(num_kv_heads))
         self.reset_parameters()
@@ -169,23 +172,26 @@ class GoatPrior(nn.Module):
     def reset_parameters(self) -> None:
         seeded = self.prior_init == "seeded"
         heads = slice(self.head_offset, self.head_offset + self.num_kv_heads)
-        nn.init.zeros_(self.lambda_asym)
-        if seeded:  # drawn for all heads, then sliced: the same weights (and RNG use) for any TP size
-            self.lambda_sym.copy_(torch.randn(self.total_kv_heads, self.pos_rank)[heads] * 1e-2)
-        else:
-            nn.init.zeros_(self.lambda_sym)
+        if self.pos_rank > 0:
+            nn.init.zeros_(self.lambda_asym)
+            if seeded:  # drawn for all heads, then sliced: the same weights (and RNG use) for any TP size
+                self.lambda_sym.copy_(torch.randn(self.total_kv_heads, self.pos_rank)[heads] * 1e-2)
+            else:
+                nn.init.zeros_(self.lambda_sym)
         if not self.key_bias:
             return
-        for layer in (self.sink_mlp.fc1, self.sink_mlp.fc2):
-            nn.init.normal_(layer.weight, std=self.init_scale)
-            nn.init.zeros_(layer.bias)
-        self.sink_gain.fill_(1.0)
+        if self.sink_mlp is not None:
+            for layer in (self.sink_mlp.fc1, self.sink_mlp.fc2):
+                nn.init.normal_(layer.weight, std=self.init_scale)
+                nn.init.zeros_(layer.bias)
+            self.sink_gain.fill_(1.0)
+            if not seeded:
+                self.sink_mlp.fc2.weight.zero_()
         self.sink_bump.zero_()
         if seeded:
             slopes = alibi_slopes(self.total_kv_heads)[heads]
             self.recency_slope_raw.copy_(inverse_softplus(slopes))
         else:
-            self.sink_mlp.fc2.weight.zero_()
             self.recency_slope_raw.fill_(-30.0)
 
     def _apply(self, fn, recurse=True):
@@ -217,6 +223,21 @@ class GoatPrior(nn.Module):
         ``sequence_origin(position_ids)``; under context parallelism, the whole row's).
         """
         dtype = self.compute_dtype
+        bump, slope_raw = (forward_value(p, dtype) for p in (self.sink_bump, self.recency_slope_raw))
+        u = bump * (position_ids == 0)[..., None]
+        if self.sink_mlp is not None:
+            u = u + forward_value(self.sink_gain, dtype) * self._sink_mlp(position_ids)[..., None]
+        if causal:
+            # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measured from the middle
+            # of the sequence's positions it stays small (|.| <= slope * L / 2) at any absolute offset.
+            # Integer origin keeps (t - origin) exact.
+            origin = sequence_origin(position_ids) if origin is None else origin
+            u = u + F.softplus(slope_raw) * (position_ids - origin).to(dtype)[..., None]
+        return u
+
+    def _sink_mlp(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """MLP(phi(t_j)), (B, L), from the absolute features; kept fp32 under bf16 autocast."""
+        dtype = self.compute_dtype
         t = position_ids.to(dtype)
         denom = float(self.training_seq_len)
         feats = torch.cat(
@@ -227,21 +248,8 @@ class GoatPrior(nn.Module):
             ],
             dim=-1,
         )
-        with torch.autocast(
-            position_ids.device.type, enabled=False
-        ):  # the MLP stays fp32 under bf16 autocast
-            mlp = self.sink_mlp(feats)
-        gain, bump, slope_raw = (
-            forward_value(p, dtype) for p in (self.sink_gain, self.sink_bump, self.recency_slope_raw)
-        )
-        u = gain * mlp[..., None] + bump * (position_ids == 0)[..., None]
-        if causal:
-            # slope * t_j equals ALiBi's -slope * (i - j) up to a row constant; measured from the middle
-            # of the sequence's positions it stays small (|.| <= slope * L / 2) at any absolute offset.
-            # Integer origin keeps (t - origin) exact.
-            origin = sequence_origin(position_ids) if origin is None else origin
-            u = u + F.softplus(slope_raw) * (position_ids - origin).to(dtype)[..., None]
-        return u
+        with torch.autocast(position_ids.device.type, enabled=False):
+            return self.sink_mlp(feats)
 
     # ---- folded form -------------------------------------------------------------------------------
     def lanes(

@@ -79,11 +79,13 @@ def from_reference(ref, backend: str = "auto") -> GoatSelfAttention:
     p = mod.prior
     p.rel_freqs.copy_(ref.rel_freqs_base)
     p.abs_freqs.copy_(ref.abs_freqs_base)
-    p.lambda_sym.copy_(ref.lambda_sym)
-    p.lambda_asym.copy_(ref.lambda_asym)
+    if p.pos_rank > 0:
+        p.lambda_sym.copy_(ref.lambda_sym)
+        p.lambda_asym.copy_(ref.lambda_asym)
     if ref.enable_key_bias:
-        p.sink_mlp.load_state_dict(ref.key_bias.state_dict())
-        p.sink_gain.copy_(ref.sink_gain)
+        if p.sink_mlp is not None:
+            p.sink_mlp.load_state_dict(ref.key_bias.state_dict())
+            p.sink_gain.copy_(ref.sink_gain)
         p.sink_bump.copy_(ref.sink_bump)
         p.recency_slope_raw.copy_(ref.recency_slope_raw)
     return mod

@@ -137,7 +137,7 @@ def cmd_study(args) -> int:
     from .study import StudyError, run_study
 
     try:
-        return run_study(args.config, force=args.force)
+        return run_study(args.config, force=args.force, quick=args.quick)
     except (StudyError, EvalError) as e:
         print(f"goat-dist study: {e}", file=sys.stderr)
         return 2
@@ -191,7 +191,12 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's data set's)")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling)")
     p.set_defaults(func=cmd_harness)
-    p = sub.add_parser("study", help="train and evaluate the position schemes of a study config")
+    p = sub.add_parser(
+        "study", help="train and evaluate the position schemes of a study config over its seeds"
+    )
     p.add_argument("config", help="e.g. configs/study/extrapolation.yaml")
     p.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    p.add_argument(
+        "--quick", action="store_true", help="the config's 'quick' section: one seed, minutes (a smoke run)"
+    )
     p.set_defaults(func=cmd_study)

@@ -42,9 +42,10 @@ def block_params(cfg: ModelConfig) -> int:
         content = head_dim - prior_lane_count(g.pos_rank, g.key_bias)
         prior = 2 * kv * g.pos_rank
         if g.key_bias:
+            prior += 2 * kv  # BOS bump, recency slope per KV head
+        if g.key_bias and g.abs_rank > 0:
             hidden, features = 4, 2 * g.abs_rank + 2
-            prior += features * hidden + hidden + hidden + 1  # sink MLP
-            prior += 3 * kv  # gain, BOS bump, recency slope per KV head
+            prior += features * hidden + hidden + hidden + 1 + kv  # sink MLP and its per-head gain
     qkv_width = kv * ((heads // kv + 1) * content + head_dim)  # q and k: content dims; v: full head dim
     bias = int(cfg.bias)
     ffn = ffn_size(cfg)

@@ -82,14 +82,19 @@ def param_inventory(cfg: ModelConfig, tp: int = 1) -> list[ParamSpec]:
         if cfg.position == "goat":
             g, local_kv = cfg.goat, kv // tp
             p = f"{b}.attn.prior"
-            out += [ParamSpec(f"{p}.lambda_sym", (local_kv, g.pos_rank), "prior", True),
-                    ParamSpec(f"{p}.lambda_asym", (local_kv, g.pos_rank), "prior", True)]  # fmt: skip
-            if g.key_bias:
+            if g.pos_rank > 0:  # pos_rank 0 / abs_rank 0: the prior has no K_rel / no sink MLP at all
+                out += [ParamSpec(f"{p}.lambda_sym", (local_kv, g.pos_rank), "prior", True),
+                        ParamSpec(f"{p}.lambda_asym", (local_kv, g.pos_rank), "prior", True)]  # fmt: skip
+            if g.key_bias and g.abs_rank > 0:
                 features = 2 * g.abs_rank + 2
+                out += [ParamSpec(f"{p}.sink_gain", (local_kv,), "prior", True)]
+            if g.key_bias:
                 out += [
-                    ParamSpec(f"{p}.sink_gain", (local_kv,), "prior", True),
                     ParamSpec(f"{p}.sink_bump", (local_kv,), "prior", True),
                     ParamSpec(f"{p}.recency_slope_raw", (local_kv,), "prior", True),
+                ]
+            if g.key_bias and g.abs_rank > 0:
+                out += [
                     ParamSpec(f"{p}.sink_mlp.fc1.weight", (SINK_HIDDEN, features), "prior", False),
                     ParamSpec(f"{p}.sink_mlp.fc1.bias", (SINK_HIDDEN,), "prior", False),
                     ParamSpec(f"{p}.sink_mlp.fc2.weight", (1, SINK_HIDDEN), "prior", False),
@@ -356,7 +361,8 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
         g = m.goat
         lanes = 4 * 2 * g.pos_rank
         if g.key_bias:
-            lanes += 4 * ((2 * g.abs_rank + 2) + 2 * SINK_HIDDEN + 1 + 1) + 1
+            sink_mlp = (2 * g.abs_rank + 2) + 2 * SINK_HIDDEN + 1 if g.abs_rank > 0 else 0
+            lanes += 4 * (sink_mlp + 1) + 1
     elif m.position == "rope":
         lanes = 4 * 2 * head_dim
     quadratic = 0.0

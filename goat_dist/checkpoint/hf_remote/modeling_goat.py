@@ -113,11 +113,14 @@ class GoatPrior(nn.Module):
         self.key_bias = config.goat_key_bias
         self.train_len = config.goat_train_len
         self.num_lanes = 2 * self.pos_rank + (SPLIT_PARTS if self.key_bias else 0)
-        self.lambda_sym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
-        self.lambda_asym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
-        if self.key_bias:
+        if self.pos_rank > 0:  # pos_rank 0: no K_rel; abs_rank 0: no sink MLP (GOAT's ablations)
+            self.lambda_sym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
+            self.lambda_asym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
+        self.sink_mlp = None
+        if self.key_bias and self.abs_rank > 0:
             self.sink_mlp = SinkMLP(2 * self.abs_rank + 2)
             self.sink_gain = nn.Parameter(torch.ones(num_kv_heads))
+        if self.key_bias:
             self.sink_bump = nn.Parameter(torch.zeros(num_kv_heads))
             self.recency_slope_raw = nn.Parameter(torch.zeros(num_kv_heads))
 
@@ -133,28 +136,29 @@ class GoatPrior(nn.Module):
 
     @property
     def compute_dtype(self):
-        return torch.float64 if self.lambda_sym.dtype == torch.float64 else torch.float32
+        probe = next(iter(self.parameters()), None)
+        return torch.float64 if probe is not None and probe.dtype == torch.float64 else torch.float32
 
     def sink(self, position_ids, origin):
         """u_h(t_j) (B, L, H_kv), causal recency measured from ``origin``."""
         dtype = self.compute_dtype
-        t = position_ids.to(dtype)
-        denom = float(self.train_len)
-        freqs = geometric_frequencies(self.abs_rank, self.abs_base, position_ids.device)
-        feats = torch.cat(
-            [
-                fourier_features(position_ids, freqs, dtype),
-                (t / denom)[..., None],
-                (torch.log1p(t) / math.log1p(denom))[..., None],
-            ],
-            dim=-1,
-        )
-        with torch.autocast(position_ids.device.type, enabled=False):
-            mlp = self.sink_mlp(feats)
-        gain, bump, slope_raw = (
-            p.to(dtype) for p in (self.sink_gain, self.sink_bump, self.recency_slope_raw)
-        )
-        u = gain * mlp[..., None] + bump * (position_ids == 0)[..., None]
+        bump, slope_raw = (p.to(dtype) for p in (self.sink_bump, self.recency_slope_raw))
+        u = bump * (position_ids == 0)[..., None]
+        if self.sink_mlp is not None:
+            t = position_ids.to(dtype)
+            denom = float(self.train_len)
+            freqs = geometric_frequencies(self.abs_rank, self.abs_base, position_ids.device)
+            feats = torch.cat(
+                [
+                    fourier_features(position_ids, freqs, dtype),
+                    (t / denom)[..., None],
+                    (torch.log1p(t) / math.log1p(denom))[..., None],
+                ],
+                dim=-1,
+            )
+            with torch.autocast(position_ids.device.type, enabled=False):
+                mlp = self.sink_mlp(feats)
+            u = u + self.sink_gain.to(dtype) * mlp[..., None]
         return u + F.softplus(slope_raw) * (position_ids - origin).to(dtype)[..., None]
 
     def lanes(self, position_ids, scale, dtype, origin):
