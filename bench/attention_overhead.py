@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from timing import CLOCKS, add_clock_args, apply_threads
 
-from goat_dist.attention import GoatPrior, goat_attention
+from goat_dist.goat import GoatPrior, goat_attention
 
 
 def plain_sdpa(q, k, v):

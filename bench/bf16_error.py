@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from goat_dist.attention import from_reference
+from goat_dist.goat import from_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

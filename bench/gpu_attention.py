@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from goat_dist.attention import GoatPrior, goat_attention
-from goat_dist.attention.kernels import attend, resolve_backend
+from goat_dist.goat import GoatPrior, goat_attention
+from goat_dist.kernels import attend, resolve_backend
 
 
 def timed(fn, repeats: int, warmup: int) -> float:

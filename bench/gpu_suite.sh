@@ -85,7 +85,7 @@ if [[ $DRY -eq 1 ]]; then
     if [[ ! -e "$path" ]]; then echo "  MISSING $path"; missing=1; fi
   done
   if [[ ${#REQS[@]} -eq 0 || -z "${REQS[0]}" ]]; then echo "  MISSING the gpu extra in pyproject.toml"; missing=1; fi
-  if ! "$PY" -c "import goat_dist.attention.kernels" 2>/dev/null; then
+  if ! "$PY" -c "import goat_dist.kernels" 2>/dev/null; then
     echo "  MISSING an importable goat_dist with torch ($PY)"; missing=1
   fi
   [[ $missing -eq 0 ]] && echo "inputs: all present"

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from timing import CLOCKS, add_clock_args, apply_threads, seconds_per_call  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
-from goat_dist.attention.prior import prior_lane_count  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
+from goat_dist.goat.prior import prior_lane_count  # noqa: E402
 from goat_dist.model.gpt import GPT  # noqa: E402
 
 

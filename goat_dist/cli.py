@@ -15,7 +15,7 @@ from .config import add_config_arguments
 
 
 def _quiet_third_party() -> None:
-    """Silence import-time noise from megatron/deepspeed that says nothing the user can act on
+    """Silence import-time noise from megatron-core and DeepSpeed that says nothing the user can act on
     (optional GPU packages absent on purpose, deprecations inside those libraries)."""
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")

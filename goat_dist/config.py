@@ -118,6 +118,11 @@ class TrainConfig:
     # checkpoints/ dir or run dir (their latest). Ignored when the run resumes its own checkpoint.
     init_from: str | None = None
     init_optimizer: bool = False  # with init_from: also carry Adam's moments (and step count) over
+    # the user's own callbacks (trainer/callbacks/plugins.py), as "package.module:Name" or
+    # "package.module:Name:arg1:arg2" strings: each module is imported (from sys.path; PYTHONPATH for one of
+    # your own) and Name(*args) built, the args as strings, on every rank; it gets the trainer's events and
+    # may ask for a save or a stop. This runs code you chose, as a training script would.
+    callbacks: list = field(default_factory=list)
 
 
 @dataclass
@@ -369,6 +374,10 @@ def validate(cfg: Config) -> None:
     _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.data_resume", t.data_resume, DATA_RESUME)
+    plugins = t.callbacks if isinstance(t.callbacks, list) else [None]
+    if not all(isinstance(e, str) and ":" in e.strip(":") for e in plugins):
+        want = "a list of 'package.module:Name' strings"
+        raise ConfigError(f"train.callbacks must be {want}, got {t.callbacks!r}")
     if not cfg.checkpoint.universal:
         raise ConfigError(
             "checkpoint.universal=false is no longer an option: a checkpoint is one layout-independent copy "
@@ -405,7 +414,9 @@ def validate(cfg: Config) -> None:
     if m.num_heads % kv:
         raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
     head_dim = m.hidden_size // m.num_heads
-    lanes = 2 * m.goat.pos_rank + 3 * int(m.goat.key_bias)  # = attention.prior.prior_lane_count
+    from .shapes import prior_lane_count  # shapes imports this module
+
+    lanes = prior_lane_count(m.goat.pos_rank, m.goat.key_bias)
     if m.position == "goat" and head_dim <= lanes:
         raise ConfigError(
             f"head dim {head_dim} leaves no content lanes after GOAT's {lanes} prior lanes "

@@ -5,6 +5,9 @@ The training forward (``GPT.forward``) is left as it is: ``cached_forward`` walk
 each layer's keys and values so a new token costs one position's forward instead of the whole
 sequence's. What each scheme caches:
 
+Each layer's position scheme (``model/positions.py``: ``fold``, ``scale``, ``bias``) is applied as in
+training:
+
 * goat: keys with the prior's key lanes folded in (``fold_prior``). Those lanes depend only on the key's
   own position and the row's recency origin, so they are cached like plain keys. The origin is fixed
   for the whole generation (the middle of prompt + new tokens): softmax ignores any per-row constant,
@@ -25,10 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from megatron.core import parallel_state
 
-from .attention import split_grouped_qkv
+from .goat import split_grouped_qkv
+from .kernels import sdpa_call
 
 
 class KVCache:
@@ -62,7 +64,7 @@ class KVCache:
 
 
 def _check_one_process(model) -> None:
-    if parallel_state.get_tensor_model_parallel_world_size() != 1 or model.sequence_parallel:
+    if model.tp != 1 or model.sequence_parallel:
         raise ValueError("cached generation runs on one process: build the model with TP=1 and no SP")
 
 
@@ -72,16 +74,14 @@ def _cached_attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: KVC
     q, k, v = split_grouped_qkv(
         mixed.transpose(0, 1), attn.local_kv_heads, attn.group, attn.content_dim, attn.head_dim
     )
-    q, k, scale, slopes = attn.fold_positions(q, k, positions, cache.origin)
-    bias = None
+    scheme = attn.position
+    q, k = scheme.fold(q, k, positions, cache.origin)
     start = cache.length
     keys, values = cache.append(layer, k, v)
     L, S = q.shape[1], keys.shape[1]
     query_pos = start + torch.arange(L, device=q.device)
     key_pos = torch.arange(S, device=q.device)
-    if slopes is not None:  # ALiBi
-        distance = (query_pos[:, None] - key_pos[None, :]).float()  # (L, S)
-        bias = -slopes.to(q.device)[None, :, None, None] * distance  # (1, H, L, S)
+    bias = scheme.bias(query_pos, key_pos)  # ALiBi's (1, H, L, S); None for the other schemes
     mask, causal = None, False
     if bias is None and start == 0:
         causal = L > 1  # prefill: the training kernel's own causal path
@@ -90,18 +90,7 @@ def _cached_attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: KVC
     elif bias is not None:
         keep = key_pos[None, :] <= query_pos[:, None]
         mask = bias.masked_fill(~keep, float("-inf")).to(q.dtype)
-    dv = values.shape[-1]
-    if dv < q.shape[-1]:
-        values = F.pad(values, (0, q.shape[-1] - dv))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=q.shape[2] != keys.shape[2],
-    ).transpose(1, 2)[..., :dv]
+    out = sdpa_call(q, keys, values, scale=scheme.scale, mask=mask, causal=causal)
     b, s = out.shape[:2]
     out, _ = attn.proj(out.reshape(b, s, -1).transpose(0, 1))
     return out

@@ -8,7 +8,7 @@ asserts among them), which no stand-in can promise to mirror.
 
 What is compiled is what the project hands FA4: each case below runs the project's own attention code
 (``ParallelSelfAttention._attend`` / ``_attend_cp``, ``GoatSelfAttention``, ``from_reference``, the
-attention diagnostics) on real CPU bf16 tensors of the run's shapes, with ``kernels._flash_attn_cute``
+attention diagnostics) on real CPU bf16 tensors of the run's shapes, with ``flash_imports._flash_attn_cute``
 pointed at ``CompilingInterface``: every ``flash_attn_func`` / ``flash_attn_varlen_func`` call is
 replayed on fake CUDA tensors of the same shapes and strides through ``_flash_attn_fwd`` and, when the
 inputs require grad (training), ``_flash_attn_bwd`` with the arguments FA4's autograd functions pass.
@@ -293,7 +293,7 @@ def _mixed(attn, batch: int, length: int, grad: bool):
 
 
 def _split(attn, mixed):
-    from goat_dist.attention import split_grouped_qkv
+    from goat_dist.goat import split_grouped_qkv
 
     return split_grouped_qkv(mixed, attn.local_kv_heads, attn.group, attn.content_dim, attn.head_dim)
 
@@ -304,9 +304,9 @@ def run_model(shape: ModelShape, iface: CompilingInterface) -> list[str]:
     Returns notes for paths that do not reach FA4."""
     import torch
 
-    from goat_dist.attention.exact import sequence_origin
-    from goat_dist.attention.kernels import FLASH4_ALIBI_ERROR, document_segments
-    from goat_dist.model import attention as model_attention
+    from goat_dist.goat.exact import sequence_origin
+    from goat_dist.kernels import FLASH4_ALIBI_ERROR, document_segments
+    from goat_dist.parallel import context
     from goat_dist.parallel.context import make_shard
 
     if shape.position == "alibi":
@@ -324,11 +324,11 @@ def run_model(shape: ModelShape, iface: CompilingInterface) -> list[str]:
                 continue  # flash4 with documents under CP takes the explicit-mask path (no FA4 call)
             q, k, v = _split(attn, shard.split(_mixed(attn, shape.batch, L, grad=True)))
             whole_rows = lambda x, shard: torch.cat([x] * shard.cp, dim=1)  # gather: contiguous rows
-            saved, model_attention.gather_sequence = model_attention.gather_sequence, whole_rows
+            saved, context.gather_sequence = context.gather_sequence, whole_rows
             try:
                 attn._attend_cp(q, k, v, shard.split(positions), shard)
             finally:
-                model_attention.gather_sequence = saved
+                context.gather_sequence = saved
             continue
         q, k, v = _split(attn, _mixed(attn, shape.batch, L, grad=True))
         attn._attend(q, k, v, positions, document_segments(positions), sequence_origin(positions))
@@ -346,7 +346,7 @@ def library_modules(shapes: list[ModelShape]):
     ``GoatSelfAttention`` by default and with ``content_dim=head_dim`` (all content dims plus the lanes),
     and ``from_reference`` of the authors' module (content dims ``D - 2R - 1``). The kernel shapes depend
     on (D, R, key bias, ratio) only; ``abs_rank`` is the largest the configs pair with them."""
-    from goat_dist.attention import GoatSelfAttention
+    from goat_dist.goat import GoatSelfAttention
 
     ratios = sorted({s.heads // s.kv_heads for s in shapes})
     abs_rank: dict[tuple, int] = {}
@@ -360,14 +360,15 @@ def library_modules(shapes: list[ModelShape]):
             common = dict(pos_rank=R, abs_rank=M, key_bias=key_bias, backend="sdpa")
             tag = f"D={D} R={R} key_bias={key_bias} gqa={ratio}"
             yield f"GoatSelfAttention {tag}", partial(GoatSelfAttention, heads * D, heads, kv, **common)
-            yield f"GoatSelfAttention content_dim={D} {tag}", partial(
-                GoatSelfAttention, heads * D, heads, kv, content_dim=D, **common
+            yield (
+                f"GoatSelfAttention content_dim={D} {tag}",
+                partial(GoatSelfAttention, heads * D, heads, kv, content_dim=D, **common),
             )
             yield f"from_reference {tag}", partial(_converted, heads * D, heads, kv, R, M, key_bias)
 
 
 def _converted(*dims):
-    from goat_dist.attention import from_reference
+    from goat_dist.goat import from_reference
 
     return from_reference(_reference(*dims), backend="sdpa")
 
@@ -383,7 +384,7 @@ def run_module(name: str, module, iface: CompilingInterface, batch: int = 2, len
     """A module's forward, causal and not, with inputs that require grad (training)."""
     import torch
 
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import backend
 
     module = module.to(torch.bfloat16)
     module.backend = "flash4"
@@ -396,7 +397,7 @@ def run_module(name: str, module, iface: CompilingInterface, batch: int = 2, len
         except ValueError as exc:  # goat-dist refuses the head dim itself, naming the nearest one
             if "FlashAttention-4" not in str(exc):
                 raise
-            cap = kernels._device_capability()
+            cap = backend.device_capability()
             notes.append(f"{iface.case}: refused by goat-dist on {cap[0]}.x before the kernel: {exc}")
             break
     return notes
@@ -406,10 +407,10 @@ def run_module(name: str, module, iface: CompilingInterface, batch: int = 2, len
 def without_gqa_padding() -> None:
     """Make the project hand FA4 v at its own width under GQA, as it did before it padded v: the check
     must then fail (``test_fa4_compile.py`` shows it does)."""
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import fa4_dims
 
-    plan = kernels.flash4_head_dims
-    kernels.flash4_head_dims = lambda dq, dv, major, gqa=False: plan(dq, dv, major, gqa=False)
+    plan = fa4_dims.flash4_head_dims
+    fa4_dims.flash4_head_dims = lambda dq, dv, major, gqa=False: plan(dq, dv, major, gqa=False)
 
 
 def compile_all(arch: str, only: str | None = None) -> dict:
@@ -418,16 +419,17 @@ def compile_all(arch: str, only: str | None = None) -> dict:
     import torch
 
     from goat_dist import distributed
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import backend, flash_imports
 
     distributed.init(tp=1)  # the model's layers ask megatron for their TP group
     torch.manual_seed(0)
     start = time.perf_counter()
     iface = CompilingInterface()
     major = int(arch.split("_")[1]) // 10
-    saved = kernels._flash_attn_cute, kernels._device_capability
-    kernels._flash_attn_cute = lambda: iface
-    kernels._device_capability = lambda device=None: (major, 0)
+    # the machine played: FA4 imports as the compiling interface, the device is of compute capability major.0
+    saved = flash_imports._flash_attn_cute, backend.device_capability
+    flash_imports._flash_attn_cute = lambda: iface
+    backend.device_capability = lambda device=None: (major, 0)
     notes, shapes, errors = [], [], []
     try:
         for path in config_files():
@@ -453,7 +455,7 @@ def compile_all(arch: str, only: str | None = None) -> dict:
                 continue
             notes += run_module(name, module, iface)
     finally:
-        kernels._flash_attn_cute, kernels._device_capability = saved
+        flash_imports._flash_attn_cute, backend.device_capability = saved
     failed = [c for c in iface.calls if not c["ok"]]
     return {
         "arch": arch,
@@ -461,8 +463,9 @@ def compile_all(arch: str, only: str | None = None) -> dict:
         "configs": [str(p.relative_to(ROOT)) for p in config_files()],
         "shapes": [dataclasses.asdict(s) for s in dict.fromkeys(shapes)],
         "calls": iface.calls,
-        "distinct_calls": len({json.dumps({k: c[k] for k in c if k not in ("case", "fwd_s", "bwd_s")})
-                               for c in iface.calls}),  # fmt: skip
+        "distinct_calls": len(
+            {json.dumps({k: c[k] for k in c if k not in ("case", "fwd_s", "bwd_s")}) for c in iface.calls}
+        ),  # fmt: skip
         "failed": failed,
         "errors": errors,
         "notes": notes,

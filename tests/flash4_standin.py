@@ -337,22 +337,24 @@ def fa2_cute_interface() -> types.ModuleType:
 def installed(standin: Flash4Standin, capability: tuple[int, int] | None = None):
     """Make ``flash_attn.cute.interface`` import as ``standin`` and let ``goat_dist`` use it on CPU.
 
-    The project imports FA4 lazily (``goat_dist.attention.kernels._flash_attn_cute``, cached): the cache
-    is cleared on entry and exit, so a real install is seen again afterwards. The device capability the
-    project reads is faked as ``capability`` (default: the stand-in's ``arch``) for the duration.
+    The project imports FA4 lazily (``goat_dist.kernels.flash_imports._flash_attn_cute``, cached): the
+    cache is cleared on entry and exit, so a real install is seen again afterwards. The device the
+    project queries (``kernels.backend.device_capability``) plays a GPU of ``capability`` (default: the
+    stand-in's ``arch``) for the duration.
     """
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import backend
+    from goat_dist.kernels import flash_imports as kernels
 
     capability = capability or divmod(standin.arch, 10)
     saved = {name: sys.modules.get(name) for name in ("flash_attn.cute", "flash_attn.cute.interface")}
     sys.modules.update(standin.as_modules())
     kernels._flash_attn_cute.cache_clear()
-    original = kernels._device_capability
-    kernels._device_capability = lambda device=None: tuple(capability)
+    original = backend.device_capability
+    backend.device_capability = lambda device=None: tuple(capability)
     try:
         yield standin
     finally:
-        kernels._device_capability = original
+        backend.device_capability = original
         for name, module in saved.items():
             if module is None:
                 sys.modules.pop(name, None)

@@ -56,6 +56,8 @@ def loadable_16_bytes_at_a_time(t: torch.Tensor) -> bool:
     size = t.element_size()
     strides = [s for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1]
     return t.data_ptr() % ALIGN_BYTES == 0 and all(s * size % ALIGN_BYTES == 0 for s in strides)
+
+
 _QUERY_BLOCK = 1024  # rows per block: bounds the (block, Lk) logits held at once in no-grad runs
 
 
@@ -247,26 +249,27 @@ def _row_slopes(alibi_slopes, b: int):
 
 
 @contextlib.contextmanager
-def installed(standin: FlashStandin):
+def installed(standin: FlashStandin, capability: tuple[int, int] = (8, 0)):
     """Make ``import flash_attn`` return ``standin`` and let ``goat_dist`` use it on CPU.
 
-    The project imports flash-attn lazily (``goat_dist.attention.kernels._flash_attn``, cached): the
-    cache is cleared on entry and exit, so a real install is seen again afterwards. ``flash_available``
-    also requires CUDA; it is patched to true for the duration.
+    The project imports flash-attn lazily (``goat_dist.kernels.flash_imports._flash_attn``, cached): the
+    cache is cleared on entry and exit, so a real install is seen again afterwards. flash-attn 2 also
+    needs a CUDA GPU of compute capability 8.0 or newer: the device the project queries
+    (``kernels.backend.device_capability``) plays one, ``capability``, for the duration.
     """
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import backend, flash_imports
 
     saved = sys.modules.get("flash_attn")
     sys.modules["flash_attn"] = standin.as_module()
-    kernels._flash_attn.cache_clear()
-    original = kernels.flash_available
-    kernels.flash_available = lambda: True
+    flash_imports._flash_attn.cache_clear()
+    original = backend.device_capability
+    backend.device_capability = lambda device=None: tuple(capability)
     try:
         yield standin
     finally:
-        kernels.flash_available = original
+        backend.device_capability = original
         if saved is None:
             sys.modules.pop("flash_attn", None)
         else:
             sys.modules["flash_attn"] = saved
-        kernels._flash_attn.cache_clear()
+        flash_imports._flash_attn.cache_clear()

@@ -4,7 +4,7 @@ position nor with the sequence length, and must stay that of plain bf16 attentio
 The reference stores ``slope * t_j`` as one bf16 lane, so its error grows from ~1e-2 at position 0 to
 ~0.5 at 131072; a single lane holding ``slope * (t_j - origin)`` still grows with the length (0.5 at
 L=4096 from position 0). Ours measures the recency from the middle of the sequence's positions and
-carries the per-key value in three lanes bf16 holds exactly (``goat_dist/attention/exact.py``); the
+carries the per-key value in three lanes bf16 holds exactly (``goat_dist/goat/exact.py``); the
 lane-level check is ``test_attention_lanes.py``.
 """
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 from flash_standin import FlashStandin, installed
 
-from goat_dist.attention import GoatSelfAttention, flash_available, from_reference
+from goat_dist.goat import GoatSelfAttention, from_reference
+from goat_dist.kernels import flash_available
 
 L = 256
 

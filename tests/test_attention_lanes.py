@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from goat_dist.attention import GoatPrior, prior_lane_count, sequence_origin, split_exact
 from goat_dist.config import ConfigError, load_config
+from goat_dist.goat import GoatPrior, prior_lane_count, sequence_origin, split_exact
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # max relative rounding error
 

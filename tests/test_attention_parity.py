@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from goat_dist.attention import from_reference
+from goat_dist.goat import from_reference
 
 goat = pytest.importorskip("goat.attention", reason="test dependency goat-attention is not installed")
 

@@ -52,7 +52,7 @@ def test_zero3_bf16_prior_computes_from_its_fp32_masters(world1):
     after training steps, and the lanes equal those of an fp32 prior holding the master values."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from goat_dist.attention.prior import FP32_FORWARD
+    from goat_dist.goat.prior import FP32_FORWARD
 
     model, engine = bf16_engine(3)
     prior = {n: p for n, p in model.named_parameters() if ".prior." in n}

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.faults import fault_env, fault_override
 from multiproc import ROOT, clean_env, goat_train_command, launch_command, per_step, records, tiny
 from multiproc import run as run_cmd
 
-from goat_dist.checkpoint.masters import KEYS
 from goat_dist.checkpoint.universal import read_full
 from goat_dist.distributed import free_port
+from goat_dist.engine.masters import KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +58,8 @@ def test_sigkill_then_exact_resume(nproc, layout, precision, tmp_path, builtin_c
     # every rank SIGKILLs itself at the end of step 10 (mid-interval: 6 steps before the next save); a kill
     # sent from here once step 10 is logged would race the run's last 6 steps on a fast machine
     killed = subprocess.run(
-        command(nproc, [*common, f"run.dir={resumed}"], precision),
-        env=clean_env(GOAT_FAULT="kill_after:10"),
+        command(nproc, [*common, f"run.dir={resumed}", fault_override("KillAfter:10")], precision),
+        env=clean_env(**fault_env()),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -86,8 +87,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, builtin_cache):
         f"run.dir={run_dir}",
     ]
     proc = subprocess.run(
-        command(2, common),
-        env=clean_env(GOAT_FAULT="before_publish:20"),
+        command(2, [*common, fault_override("KillBeforePublish:20")]),
+        env=clean_env(**fault_env()),
         capture_output=True,
         text=True,
         timeout=400,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from harness.faults import fault_env, fault_override
 from multiproc import ROOT, clean_env, goat_train_command, in_process_config, per_step
 from multiproc import run as run_cmd
 from safetensors.torch import load_file
@@ -324,7 +325,8 @@ def test_crash_while_async_writes_are_in_flight_keeps_previous_latest(tmp_path, 
         f"data.cache_dir={builtin_cache}",
         f"run.dir={run_dir}",
     ]
-    proc = run_cmd(goat_train_command(1, overrides), expect=None, GOAT_FAULT="async_write:4")
+    overrides.append(fault_override("KillMidAsyncWrite:4"))
+    proc = run_cmd(goat_train_command(1, overrides), expect=None, **fault_env())
     assert proc.returncode != 0
     root = run_dir / "checkpoints"
     assert (root / "latest").read_text() == "step_00000002"
@@ -345,6 +347,32 @@ def test_a_stop_signal_with_async_saves_publishes_before_returning(world1, built
     assert trainer.checkpoints.pending is None
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001"
     verify(tmp_path / "checkpoints" / "step_00000001")
+
+
+def test_a_callbacks_save_and_stop_requests_are_honoured_at_that_step(world1, builtin_cache, tmp_path):
+    """A callback asks for a save in step 2 and for a stop in step 3 (``post_backward``: that step's one
+    collective carries them): both steps are saved, and the loop stops after step 3 with the reason."""
+    from goat_dist.trainer.callbacks import Callback
+    from goat_dist.trainer.trainer import Trainer
+
+    class Requests(Callback):
+        stops: list = []
+
+        def post_backward(self, state):
+            if state.step + 1 == 2:
+                self.trainer.request_save()
+            if state.step + 1 == 3:
+                self.trainer.request_stop("enough")
+
+        def on_stop(self, state, reason):
+            self.stops.append((state.step, reason))
+
+    trainer = Trainer(in_process_config(builtin_cache, tmp_path, "train.max_steps=50"))
+    trainer.add_callback(Requests())
+    state = trainer.fit()
+    assert state.stop_requested == "enough" and state.step == 3 and Requests.stops == [(3, "enough")]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000003"
+    verify(tmp_path / "checkpoints" / "step_00000002")
 
 
 def test_pinned_staging_buffers_are_reused_by_the_next_save_and_cpu_ones_freed(monkeypatch):

@@ -47,16 +47,16 @@ def test_agree_folds_the_step_into_one_vector(world1):
         fingerprint=FINGERPRINT_MOD + 5,
         skipped=2,
         valid_labels=7,
-        signal=True,
-        save_due=False,
-        deadline=True,
+        signal="SIGTERM",
+        save=False,
+        stop="deadline",
         tp=1,
         dp=1,
     )
     assert control.loss == 2.0 and control.fingerprint == 5 and control.skipped == 2
     assert control.valid_labels == 7 and not control.unreadable and control.dropped  # dropped: the NaN grad
     assert control.nonfinite and control.nonfinite_grad == 1 and control.nonfinite_loss == 0
-    assert control.signal and control.deadline and not control.save_due
+    assert control.signal and control.stop and not control.save and control.stop_reason == "SIGTERM"
     nan = agree(
         torch.tensor(float("nan")), 1, torch.tensor(1), torch.tensor(0.0), 0, 0, 5, False, False, False, 1, 1
     )
@@ -90,7 +90,7 @@ def test_one_control_collective_per_step(world1, builtin_cache, tmp_path, monkey
     )
     trainer = Trainer(cfg, callbacks=[])
     it = trainer.start_loop()
-    trainer._first_step = -10  # past the one-off memory measurement of the second step
+    trainer.loop.first_step = -10  # past the one-off memory measurement of the second step
     calls = []
 
     def counting(name, fn):
@@ -146,7 +146,8 @@ def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, 
     import torch
     from multiproc import in_process_config
 
-    from goat_dist.trainer.parallelize import PRIOR_FP32_STAGES, deepspeed_config
+    from goat_dist.engine.build import deepspeed_config
+    from goat_dist.engine.patches import PRIOR_FP32_STAGES
     from goat_dist.trainer.precision import autocast_context, resolve_precision
     from goat_dist.trainer.trainer import Trainer
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 from flash_standin import FlashStandin, installed
 
-from goat_dist.attention.kernels import document_segments, eager_attention, sdpa_attention
 from goat_dist.distributed import LayoutError, check_layout
-from goat_dist.model.positions import alibi_bias
+from goat_dist.kernels import alibi_bias, document_segments, eager_attention, sdpa_attention
 from goat_dist.parallel.context import context_attention, make_shard, reorder_gathered, split_rows
 
 B, L, H, H_KV, D = 2, 24, 4, 2, 8
@@ -59,7 +58,7 @@ def _positions(documents: bool) -> torch.Tensor:
 def _reference(q, k, v, positions, scale, backend, slopes):
     segments = document_segments(positions)
     if slopes is not None:
-        bias = alibi_bias(positions, slopes)
+        bias = alibi_bias(slopes, positions)
         return eager_attention(q, k, v, causal=True, scale=scale, bias=bias, segments=segments)
     return sdpa_attention(q, k, v, causal=True, scale=scale, segments=segments)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from multiproc import goat_train_command, per_step, records, run
 
-from goat_dist.trainer.data_contract import DataContractError, check, differences
+from goat_dist.data.contract import DataContractError, check, differences
 
 CONTRACT = {
     "sources": [{"path": "/data/a", "weight": 1.0, "manifest": "aa" * 32}],

@@ -263,7 +263,7 @@ def test_window_order_keyed_shuffles_inside_each_block(big):
 
 def test_a_resume_of_a_stream_begun_before_window_order_keeps_its_order():
     from goat_dist.config import load_config
-    from goat_dist.trainer import data_contract
+    from goat_dist.data import contract as data_contract
 
     cfg = load_config(None, [])
     contract = {"seq_len": 64, "window_order": cfg.data.window_order}
@@ -349,5 +349,5 @@ def test_a_checkpoint_from_before_window_order_resumes_in_its_own_order(
     assert again.cfg.data.window_order == again.contract["window_order"] == "numpy"
     assert "data.window_order=numpy" in capsys.readouterr().out
     it = again.start_loop()
-    assert again._train_loader.dataset.schedules[0].window_order == "numpy"
+    assert again.loop.loader.dataset.schedules[0].window_order == "numpy"
     del it

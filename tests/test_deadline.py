@@ -203,13 +203,14 @@ def test_a_resumed_attempt_budgets_for_the_last_recorded_save(world1, builtin_ca
         in_process_config(builtin_cache, run_dir, "train.max_steps=4", "train.time_limit_minutes=60")
     )
     again.start_loop()
-    assert again._last_save_s == 123.0
-    assert again.deadline.budget(0.1, again._last_save_s) == pytest.approx(
+    policy = again.checkpointing  # the checkpoint policy's callback: deadline and last save time
+    assert policy.last_save_s == 123.0
+    assert policy.deadline.budget(0.1, policy.last_save_s) == pytest.approx(
         dl.SAFETY * (0.1 + 123.0) + dl.MARGIN_S
     )
     fresh = Trainer(in_process_config(builtin_cache, tmp_path / "fresh", "train.max_steps=4"))
     fresh.start_loop()
-    assert fresh._last_save_s is None  # nothing recorded: the deadline estimates the first save
+    assert fresh.checkpointing.last_save_s is None  # nothing recorded: the deadline estimates the first save
 
 
 def _record_bandwidth(run_dir, text: str) -> None:

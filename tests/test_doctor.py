@@ -92,13 +92,13 @@ def test_disk_too_small_fails(tmp_path, monkeypatch, capsys):
     cfg = load_config(None, [])
     need = doctor.checkpoint_bytes(cfg)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 2))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 2))
     r = report()
     doctor.check_disk(r, cfg, tmp_path / "not" / "yet")
     assert r.failed == {"disk"}
     err = capsys.readouterr().err
     assert "FAIL disk: not enough space" in err and str(tmp_path) in err
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10 * need, 0, 2 * need))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 0, 2 * need))
     r = report()
     doctor.check_disk(r, cfg, tmp_path)
     assert not r.failed and "next checkpoint" in r.lines[-1]
@@ -125,12 +125,12 @@ def test_write_check_stays_within_the_free_space(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     sizes = []
     real = doctor.measure_write_bandwidth
-    monkeypatch.setattr(doctor, "measure_write_bandwidth", lambda d, n: sizes.append(n) or real(d, n))
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, 16 * 2**20))
+    monkeypatch.setattr(doctor.storage, "measure_write_bandwidth", lambda d, n: sizes.append(n) or real(d, n))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 16 * 2**20))
     r = report()
     doctor.check_write_bandwidth(r, tmp_path, 256 * 2**20)
     assert sizes == [4 * 2**20] and not r.failed  # a quarter of the free space
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(0, 0, 2**20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(0, 0, 2**20))
     r = report()
     doctor.check_write_bandwidth(r, tmp_path / "full", 256 * 2**20)
     assert sizes == [4 * 2**20] and "warn  write: not measured" in r.lines[-1]
@@ -236,14 +236,16 @@ def test_write_mb_sets_the_probe_and_zero_skips_it(monkeypatch, tmp_path):
     from goat_dist.cli import build_parser
 
     seen = []
-    monkeypatch.setattr(doctor, "run_doctor", lambda *a, write_bytes, **k: seen.append(write_bytes) or 0)
+    monkeypatch.setattr(
+        doctor.command, "run_doctor", lambda *a, write_bytes, **k: seen.append(write_bytes) or 0
+    )
     for extra in ([], ["--write-mb", "0"], ["--write-mb", "8"]):
         assert doctor.cmd_doctor(build_parser().parse_args(["doctor", *extra])) == 0
     default = (256 if torch.cuda.is_available() else 64) * 2**20
     assert seen == [default, 0, 8 * 2**20]
     r = report()  # what write_bytes=0 means inside run_doctor: the check is not called
     monkeypatch.undo()
-    monkeypatch.setattr(doctor, "check_write_bandwidth", lambda *a: r.fail("write", "called"))
+    monkeypatch.setattr(doctor.command, "check_write_bandwidth", lambda *a: r.fail("write", "called"))
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert doctor.run_doctor(cfg, 1024, 1, 60.0, environ={}, write_bytes=0) == 0
     assert not r.failed and not (tmp_path / "run" / "checkpoints").exists()
@@ -318,4 +320,4 @@ def test_doctor_help_runs_without_the_cli():
         [sys.executable, "-m", "goat_dist.doctor", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and "--allreduce-mb" in out.stdout
-    assert Path(doctor.__file__).name == "doctor.py"
+    assert (Path(doctor.__file__).parent / "__main__.py").is_file()  # python -m goat_dist.doctor

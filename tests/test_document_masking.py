@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from goat_dist.attention.kernels import document_segments
 from goat_dist.config import ModelConfig
+from goat_dist.kernels import document_segments
 from goat_dist.model import GPT
 
 

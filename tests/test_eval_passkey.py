@@ -72,7 +72,7 @@ def test_loader_is_independent_of_worker_count():
 
 def test_source_dir_manifest_feeds_the_data_contract(tmp_path):
     from goat_dist.config import Config
-    from goat_dist.trainer.data_contract import data_contract
+    from goat_dist.data.contract import data_contract
 
     path = S.source_dir("passkey", tmp_path)
     contract = data_contract(Config(), [{"path": str(path), "weight": 1.0}])

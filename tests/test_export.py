@@ -75,7 +75,7 @@ def test_bf16_export_is_the_fp32_masters_with_the_prior_kept_fp32(world1, tmp_pa
     (not the bf16 forward copy); a bf16 export rounds every tensor but GOAT's prior, which stays fp32."""
     from safetensors.torch import load_file
 
-    from goat_dist.checkpoint.masters import layout_of
+    from goat_dist.engine.masters import layout_of
 
     cfg = one_layer_config("train.precision=bf16")
     torch.manual_seed(0)

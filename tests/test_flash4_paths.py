@@ -22,9 +22,17 @@ from flash_standin import FlashStandin
 from flash_standin import installed as installed_fa2
 from test_flash_paths import GOAT_CASES, assert_goat_backend_matches_sdpa, assert_grads_close
 
-from goat_dist.attention import GoatPrior, GoatSelfAttention, flash_imports, kernels
-from goat_dist.attention.kernels import attend, document_segments, flash4_head_dims, resolve_backend
 from goat_dist.config import ModelConfig
+from goat_dist.goat import GoatPrior, GoatSelfAttention
+from goat_dist.kernels import (
+    attend,
+    document_segments,
+    fa4_dims,
+    flash4_head_dims,
+    flash_imports,
+    resolve_backend,
+)
+from goat_dist.kernels import backend as kernel_backend
 
 
 @pytest.fixture
@@ -198,11 +206,11 @@ def test_standin_backward_refuses_what_the_real_backward_refuses(arch, dq, dv, h
 
 
 def test_installed_standin_is_what_the_project_imports():
-    before = kernels._flash_attn_cute()
+    before = flash_imports._flash_attn_cute()
     with installed(Flash4Standin()) as standin:
-        assert kernels._flash_attn_cute().flash_attn_func == standin.flash_attn_func
+        assert flash_imports._flash_attn_cute().flash_attn_func == standin.flash_attn_func
         assert resolve_backend("flash4") == "flash4" and resolve_backend("auto") == "flash4"
-    assert kernels._flash_attn_cute() is before  # uninstalled: the real import (None on CPU machines)
+    assert flash_imports._flash_attn_cute() is before  # uninstalled: the real import (None on CPU machines)
 
 
 # ---- head dims per GPU generation --------------------------------------------------------------------------
@@ -235,11 +243,10 @@ def test_flash4_head_dims_plan():
 
 
 # ---- auto selection with faked devices and imports ---------------------------------------------------------
-def fake_machine(monkeypatch, capability, fa4: bool, fa2: bool):
-    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
-    monkeypatch.setattr(kernels, "_flash_attn_cute", lambda: object() if fa4 else None)
-    monkeypatch.setattr(kernels, "_flash_attn", lambda: object() if fa2 else None)
+def fake_imports(monkeypatch, fa4: bool, fa2: bool):
+    """Which flash-attn generations import (the GPU's capability goes to ``resolve_backend``)."""
+    monkeypatch.setattr(flash_imports, "_flash_attn_cute", lambda: object() if fa4 else None)
+    monkeypatch.setattr(flash_imports, "_flash_attn", lambda: object() if fa2 else None)
 
 
 AUTO_CASES = [
@@ -268,9 +275,11 @@ AUTO_CASES = [
 def test_auto_picks_the_fastest_kernel_that_imports_and_fits(
     monkeypatch, capability, fa4, fa2, position, head_dim, expected
 ):
-    fake_machine(monkeypatch, capability, fa4, fa2)
-    assert resolve_backend("auto", position=position, head_dim=head_dim) == expected
-    assert resolve_backend("sdpa") == "sdpa" and resolve_backend("eager") == "eager"
+    fake_imports(monkeypatch, fa4, fa2)
+    auto = resolve_backend("auto", position=position, head_dim=head_dim, capability=capability)
+    assert auto == expected
+    for name in ("sdpa", "eager"):
+        assert resolve_backend(name, capability=capability) == name
 
 
 @pytest.mark.parametrize(
@@ -284,15 +293,17 @@ def test_auto_picks_the_fastest_kernel_that_imports_and_fits(
     ],
 )  # fmt: skip
 def test_explicit_flash4_says_why_not(monkeypatch, capability, fa4, kwargs, error, pattern):
-    fake_machine(monkeypatch, capability, fa4, fa2=True)
+    fake_imports(monkeypatch, fa4, fa2=True)
     with pytest.raises(error, match=pattern):
-        resolve_backend("flash4", **kwargs)
+        resolve_backend("flash4", capability=capability, **kwargs)
 
 
 def test_flash_still_means_flash_attn_2(monkeypatch):
-    fake_machine(monkeypatch, (9, 0), fa4=True, fa2=False)
+    fake_imports(monkeypatch, fa4=True, fa2=False)
     with pytest.raises(RuntimeError, match=r"flash-attn does not import.*goat-dist\[flash2\]"):
-        resolve_backend("flash")
+        resolve_backend("flash", capability=(9, 0))
+    with pytest.raises(RuntimeError, match=r"flash was requested but CUDA is not available"):
+        resolve_backend("flash", capability=None)
     monkeypatch.undo()
     with installed_fa2(FlashStandin()):
         assert resolve_backend("flash") == "flash"
@@ -354,8 +365,10 @@ def test_gqa_module_with_wider_qk_pads_v_for_the_backward(monkeypatch, arch, kin
         assert_grads_close(sdpa, ours)
         assert widths and all(wq == wv for wq, wv in widths), widths
         # the code before the fix: v at its own width under GQA
-        plan = kernels.flash4_head_dims
-        monkeypatch.setattr(kernels, "flash4_head_dims", lambda dq, dv, major, gqa=False: plan(dq, dv, major))
+        plan = fa4_dims.flash4_head_dims
+        monkeypatch.setattr(
+            fa4_dims, "flash4_head_dims", lambda dq, dv, major, gqa=False: plan(dq, dv, major)
+        )
         message = "GQA backward requires head_dim" if arch == 90 else "sdV doesn't fit"
         if arch == 100 and kind == "from_reference":
             ours(x).sum().backward()  # q/k below 128 on 10.x: the unequal backward exists
@@ -369,23 +382,25 @@ def test_gqa_module_with_wider_qk_pads_v_for_the_backward(monkeypatch, arch, kin
 def fa2_cute(monkeypatch):
     """``flash_attn.cute.interface`` as the FlashAttention-2 sdist leaves it, on a faked H100."""
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fa2_cute_interface())
-    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
-    kernels._flash_attn_cute.cache_clear()
-    yield
-    kernels._flash_attn_cute.cache_clear()
+    flash_imports._flash_attn_cute.cache_clear()
+    yield (9, 0)
+    flash_imports._flash_attn_cute.cache_clear()
 
 
 def test_fa2s_flash_attn_cute_is_named_with_the_fix(fa2_cute, capsys):
     """An import that succeeds but lacks FA4's API (no return_lse): not used, and every message says
     what happened and how to repair the environment."""
-    assert kernels._flash_attn_cute() is None
+    h100 = fa2_cute
+    assert flash_imports._flash_attn_cute() is None
     expected = (r"flash4 was requested but .*takes no return_lse.*FlashAttention-2 sdist.*both packages"
                 r".*pip uninstall -y flash-attn flash-attn-4")  # fmt: skip
     with pytest.raises(RuntimeError, match=expected):
-        resolve_backend("flash4")
-    assert resolve_backend("auto") == "sdpa" and resolve_backend("auto") == "sdpa"
+        resolve_backend("flash4", capability=h100)
+    assert (
+        resolve_backend("auto", capability=h100) == "sdpa"
+        and resolve_backend("auto", capability=h100) == "sdpa"
+    )
     err = capsys.readouterr().err
     assert err.count("attention_backend=auto takes sdpa, not flash4") == 1  # said once
     assert "takes no return_lse" in err and "separate environments" in err
@@ -394,20 +409,21 @@ def test_fa2s_flash_attn_cute_is_named_with_the_fix(fa2_cute, capsys):
 def test_auto_says_once_why_flash4_did_not_import(monkeypatch, capsys):
     """On a GPU where FA4 would serve, an import error (e.g. no triton) is said once, with its text."""
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)  # import raises ImportError
-    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
     monkeypatch.setattr(flash_imports, "both_installed", lambda: False)
-    kernels._flash_attn_cute.cache_clear()
+    flash_imports._flash_attn_cute.cache_clear()
+    h100 = (9, 0)
     try:
-        assert resolve_backend("auto") == "sdpa" and resolve_backend("auto", position="goat") == "sdpa"
+        assert resolve_backend("auto", capability=h100) == "sdpa"
+        assert resolve_backend("auto", position="goat", capability=h100) == "sdpa"
     finally:
-        kernels._flash_attn_cute.cache_clear()
+        flash_imports._flash_attn_cute.cache_clear()
     err = capsys.readouterr().err
     assert err.count("not flash4: flash_attn.cute (PyPI flash-attn-4) does not import (ModuleNotFound") == 1
-    monkeypatch.setattr(kernels, "_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(flash_imports, "_NOTICE_GIVEN", [])
-    assert resolve_backend("auto") == "sdpa"  # an A100: FA4 would not serve there, nothing to say
+    assert (
+        resolve_backend("auto", capability=(8, 0)) == "sdpa"
+    )  # an A100: FA4 would not serve there, nothing to say
     assert capsys.readouterr().err == ""
 
 
@@ -553,7 +569,9 @@ def test_model_auto_passes_over_flash4_for_what_it_cannot_run(world1, monkeypatc
     both kernels installed gets FlashAttention-2, not a FlashAttention-4 that would fail at its first step."""
     from goat_dist.model import GPT
 
-    fake_machine(monkeypatch, (9, 0), fa4=True, fa2=True)
+    fake_imports(monkeypatch, fa4=True, fa2=True)
+    # the model resolves its backend at construction, on the device it runs on: that device plays an H100
+    monkeypatch.setattr(kernel_backend, "device_capability", lambda device=None: (9, 0))
     shape = dict(vocab_size=300, seq_len=16, num_layers=1, hidden_size=64, num_heads=2)
     cfg = ModelConfig(**shape, position=position)
     assert GPT(cfg).blocks[0].attn.backend == expected

@@ -16,9 +16,9 @@ import pytest
 import torch
 from flash_standin import FlashStandin, installed
 
-from goat_dist.attention import GoatSelfAttention
-from goat_dist.attention.kernels import resolve_backend
 from goat_dist.config import ModelConfig
+from goat_dist.goat import GoatSelfAttention
+from goat_dist.kernels import resolve_backend
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def test_standin_rejects_what_the_kernel_rejects():
 def views_of_the_125m_projection(dtype=torch.bfloat16, batch=2, length=16):
     """q, k, v as ``split_grouped_qkv`` cuts them out of the 125M config's fused projection (12 heads of
     64, GOAT's 11 lanes: content 53), in the model's [s, b, width] -> batch-first layout."""
-    from goat_dist.attention import split_grouped_qkv
+    from goat_dist.goat import split_grouped_qkv
 
     heads, content, head_dim = 12, 53, 64
     width = heads * (2 * content + head_dim)
@@ -198,7 +198,7 @@ def test_flash_attention_gives_fa2_aligned_inputs(flash32):
     """The project copies what flash-attn 2 cannot load (the 125M config's v, here in fp32: 424 bytes
     in) and matches sdpa, outputs and gradients, dense and packed. q/k with GOAT's lanes appended are
     fresh tensors."""
-    from goat_dist.attention.kernels import document_segments, flash_attention, sdpa_attention
+    from goat_dist.kernels import document_segments, flash_attention, sdpa_attention
 
     qc, kc, v = views_of_the_125m_projection(torch.float32)
     q = torch.cat([qc, torch.randn(*qc.shape[:-1], 11)], -1).requires_grad_(True)
@@ -217,7 +217,7 @@ def test_flash_attention_gives_fa2_aligned_inputs(flash32):
 
 
 def test_installed_standin_is_what_the_project_imports():
-    from goat_dist.attention import kernels
+    from goat_dist.kernels import flash_imports as kernels
 
     before = kernels._flash_attn()
     with installed(FlashStandin()) as standin:

@@ -115,7 +115,7 @@ def test_per_head_prior_parameters_are_tagged_tensor_parallel(world1):
 def test_alibi_slopes_follow_press_et_al_and_build_on_meta(heads):
     """Geometric slopes 2^(-8i/n) for a power of two; otherwise the closest power's slopes, then every other
     slope of twice that count (the ALiBi paper's rule). Plain floats: a meta default device works."""
-    from goat_dist.attention.prior import alibi_slopes
+    from goat_dist.goat.prior import alibi_slopes
 
     def geometric(n):
         return [2 ** (-8 * (i + 1) / n) for i in range(n)]

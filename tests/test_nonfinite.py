@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from harness.faults import NaNGradient, fault_env, fault_override
 from multiproc import ROOT, goat_train_command, in_process_config, launch_command, per_step, records, run
 
 from goat_dist.checkpoint.manager import write_manifest
@@ -17,8 +18,10 @@ LAYOUTS = [(1, []), (2, ["parallel.zero_stage=2"])]
 IDS = ["1proc", "dp2-zero2"]
 
 
-def train(nproc, layout, overrides, expect=0, **env):
-    return run(goat_train_command(nproc, [*layout, *overrides]), expect=expect, **env)
+def train(nproc, layout, overrides, expect=0, fault=None):
+    """A ``goat-dist train`` run; ``fault``: a ``harness.faults`` callback entry (``"NaNLoss:3:0:1"``)."""
+    extra, env = ([fault_override(fault)], fault_env()) if fault else ([], {})
+    return run(goat_train_command(nproc, [*layout, *overrides, *extra]), expect=expect, **env)
 
 
 @pytest.mark.parametrize("nproc,layout", LAYOUTS, ids=IDS)
@@ -26,7 +29,7 @@ def test_raise_names_step_data_and_parameter(nproc, layout, tmp_path, builtin_ca
     run_dir = tmp_path / "run"
     common = ["train.max_steps=6", f"data.cache_dir={builtin_cache}", f"run.dir={run_dir}"]
     bad_rank = nproc - 1  # the last data-parallel rank's first micro-batch of step 3
-    out = train(nproc, layout, common, expect=None, GOAT_FAULT=f"nonfinite:3:0:{bad_rank}")
+    out = train(nproc, layout, common, expect=None, fault=f"NaNLoss:3:0:{bad_rank}")
     assert out.returncode != 0
     err = out.stderr
     assert "step 3: non-finite loss" in err, err[-3000:]
@@ -44,7 +47,7 @@ def test_skip_equals_a_run_that_never_saw_the_update(nproc, layout, tmp_path, bu
     step 4 on both see the same data with the same weights, optimizer and LR schedule: equal losses."""
     a = tmp_path / "a"
     common = ["train.max_steps=7", f"data.cache_dir={builtin_cache}", "train.on_nonfinite=skip"]
-    train(nproc, layout, [*common, f"run.dir={a}"], GOAT_FAULT=f"nonfinite:3:0:{nproc - 1}")
+    train(nproc, layout, [*common, f"run.dir={a}"], fault=f"NaNLoss:3:0:{nproc - 1}")
     logged = [r for r in records(a) if "loss" in r]
     assert [r["nonfinite_skipped"] for r in logged if r["step"] in (2, 3, 7)] == [0, 1, 1]
     assert math.isnan(next(r["loss"] for r in logged if r["step"] == 3))
@@ -74,7 +77,7 @@ def test_skip_raises_after_too_many_in_a_row(tmp_path, builtin_cache):
         f"data.cache_dir={builtin_cache}",
         f"run.dir={run_dir}",
     ]
-    out = train(1, [], overrides, expect=None, GOAT_FAULT="nonfinite:3-8")
+    out = train(1, [], overrides, expect=None, fault="NaNLoss:3-8")
     assert out.returncode != 0
     assert "step 5: non-finite loss (3 non-finite steps in a row (limit 2))" in out.stderr, out.stderr[-3000:]
 
@@ -87,7 +90,7 @@ def test_no_checkpoint_from_nonfinite_weights(tmp_path, builtin_cache):
         f"data.cache_dir={builtin_cache}",
         f"run.dir={run_dir}",
     ]
-    out = train(1, [], overrides, expect=None, GOAT_FAULT="nonfinite_weights:4")
+    out = train(1, [], overrides, expect=None, fault="NaNWeights:4")
     assert out.returncode != 0
     assert "refusing to save a checkpoint from non-finite weights" in out.stderr, out.stderr[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
@@ -97,7 +100,7 @@ def test_no_checkpoint_from_nonfinite_weights(tmp_path, builtin_cache):
     "stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (2, "bf16")]
 )
 def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
-    stage, precision, world1, builtin_cache, tmp_path, monkeypatch
+    stage, precision, world1, builtin_cache, tmp_path
 ):
     """Finite loss, NaN gradient: the step's update is dropped (weights, Adam state and LR unchanged), the
     gradients are cleared, and the next step trains normally."""
@@ -127,13 +130,12 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
     assert not trainer.train_step(it).nonfinite
     trainer.state.step = 1
     before, lr = snapshot(), trainer.engine.get_lr()[0]
-    monkeypatch.setenv("GOAT_FAULT", "nonfinite_grad:2")
+    trainer.add_callback(NaNGradient(2))  # only at step 2
     control = trainer.train_step(it)
     assert control.nonfinite_grad and not control.nonfinite_loss
     after = snapshot()
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "the update was applied"
     assert trainer.engine.get_lr()[0] == lr and trainer.state.nonfinite_skipped == 1
-    monkeypatch.delenv("GOAT_FAULT")
     trainer.state.step = 2
     assert not trainer.train_step(it).nonfinite  # gradients were cleared: nothing stale carries over
     assert any(not torch.equal(a, b) for a, b in zip(after, snapshot()))
@@ -143,7 +145,7 @@ def test_zero3_padding_is_not_a_nonfinite_weight(tmp_path):
     """DeepSpeed pads ZeRO-3 partitions with uninitialised memory; a NaN there once refused a final save of
     a healthy DP=2 ZeRO-3 run (``blocks.0.attn.prior.sink_mlp.fc2.bias``, one element: rank 1 holds only
     padding). NaN in every padding is ignored; an Inf in a real element is still named. In bf16, the prior's
-    forward values gathered from the fp32 master partitions (zero3_prior.py) equal DeepSpeed's own gather."""
+    forward values gathered from the fp32 master partitions (engine/zero3.py) equal DeepSpeed's own gather."""
     out = tmp_path / "padding.json"
     run(launch_command(2, [str(ROOT / "tests" / "workers" / "zero3_padding.py"), str(out)]), timeout=300)
     ranks = [json.loads((tmp_path / f"padding.json.{r}").read_text()) for r in (0, 1)]

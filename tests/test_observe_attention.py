@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from goat_dist.attention import split_grouped_qkv
 from goat_dist.config import ModelConfig
+from goat_dist.goat import split_grouped_qkv
 from goat_dist.observe.attention_stats import AttentionProbe, attention_probabilities
 
 L = 80  # longer than the 64-key window, so the statistics are not trivial

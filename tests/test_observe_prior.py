@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from goat_dist.attention import GoatPrior
+from goat_dist.goat import GoatPrior
 from goat_dist.observe.figures import prior_images
 from goat_dist.observe.prior_snapshot import chosen_layers, prior_curves, prior_snapshot
 

@@ -191,8 +191,8 @@ def test_the_planners_deepspeed_options_are_the_trainers():
     """The byte counts assume DeepSpeed's buckets and overlap setting as the trainer configures them."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    from goat_dist.engine.build import deepspeed_config
     from goat_dist.plan.memory import zero_options
-    from goat_dist.trainer.parallelize import deepspeed_config
 
     for stage in range(4):
         cfg = load_config(None, [f"parallel.zero_stage={stage}", "model.hidden_size=128"])

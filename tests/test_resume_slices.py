@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from goat_dist.checkpoint import universal
 from goat_dist.checkpoint.errors import CheckpointError
-from goat_dist.checkpoint.masters import KEYS
 from goat_dist.checkpoint.slices import UniversalReader, tensor_key
+from goat_dist.engine.masters import KEYS
 
 SPLITS = [
     ("dim0", [12, 6], {"tp_split": True, "dim": 0, "stride": 1}),
@@ -168,7 +168,7 @@ def test_universal_round_trip_every_precision_and_stage(precision, stage, fmt, w
     steps' losses too (format 2, and format 1 as the previous release wrote it). Adam's and the LR
     schedule's step come from the checkpoint, not from the trainer's step (a dropped non-finite step
     moves only the latter): loading "step 5" of a state that took 3 optimizer steps continues at 3."""
-    from goat_dist.checkpoint.masters import layout_of
+    from goat_dist.engine.masters import layout_of
 
     cfg = _cfg(precision, stage, "goat")
     model, engine = _build(cfg, seed=0)

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from harness.faults import fault_env, fault_override
 from multiproc import ROOT, TINY, clean_env, per_step, records
 from slurm_harness import SlurmCluster, unavailable
 
@@ -259,11 +260,12 @@ def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache):
 
 
 def test_crash_is_restarted_a_bounded_number_of_times(cluster, jobdir, builtin_cache):
-    """A run killed at step 3 every time (the trainer's GOAT_FAULT hook: SIGKILL while saving step 3):
+    """A run killed at step 3 every time (a test callback, harness.faults: SIGKILL while saving step 3):
     retried once (--max-restarts 1), then the job fails, with the error in its log."""
     run_dir = jobdir / "crash"
     overrides = tiny(builtin_cache, "train.max_steps=10", "checkpoint.interval=3", f"run.dir={run_dir}")
-    env = job_env(cluster, GOAT_FAULT="before_publish:3")
+    overrides.append(fault_override("KillBeforePublish:3"))
+    env = job_env(cluster, **fault_env())
     args = ["--ntasks=1", "slurm/train.sbatch", "--max-restarts", "1", CONFIG, *overrides]
     job, log = submit(cluster, jobdir, args, env=env)
     record = done(cluster, job, log, state="FAILED")

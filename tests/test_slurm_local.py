@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import pytest
+from harness.faults import fault_env, fault_override
 from multiproc import ROOT, TINY, clean_env, per_step
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,8 @@ def test_local_crash_restarts_are_bounded(tmp_path, builtin_cache):
         f"data.cache_dir={builtin_cache}",
     ]
     args += ["train.max_steps=10", "checkpoint.interval=3", f"run.dir={run_dir}"]
-    proc = local(args, GOAT_FAULT="before_publish:3")  # the trainer's hook: SIGKILL while saving step 3
+    args.append(fault_override("KillBeforePublish:3"))  # a test callback: SIGKILL while saving step 3
+    proc = local(args, **fault_env())
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 1, out[-4000:]
     tries = [json.loads(line) for line in (run_dir / "slurm" / "attempts.jsonl").read_text().splitlines()]

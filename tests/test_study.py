@@ -269,7 +269,7 @@ def test_passkey_grid_figure_has_one_heatmap_per_run(tmp_path):
 # ---- the ablation's priors -----------------------------------------------------------------------
 @pytest.mark.parametrize("pos_rank,abs_rank", [(4, 0), (0, 4), (0, 0)])
 def test_ablated_priors_have_only_their_parts_and_lanes_match_the_matrix(pos_rank, abs_rank):
-    from goat_dist.attention.prior import GoatPrior
+    from goat_dist.goat.prior import GoatPrior
 
     torch.manual_seed(0)
     prior = GoatPrior(2, pos_rank=pos_rank, abs_rank=abs_rank, training_seq_len=64)

@@ -221,8 +221,8 @@ def test_tokenizer_train_creates_the_out_directory(corpus, tmp_path, capsys):
 
 
 def test_vocab_size_defaults_to_the_manifest(llama_dataset, tmp_path):
+    from goat_dist.data.batches import data_sources
     from goat_dist.model import padded_vocab_size
-    from goat_dist.trainer.batches import data_sources
 
     vocab = read_manifest(llama_dataset)["vocab_size"]
     assert vocab != DEFAULT_VOCAB_SIZE

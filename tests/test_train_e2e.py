@@ -58,3 +58,28 @@ def test_bad_override_fails_before_work(tmp_path):
     proc = run_goat(["train", "train.max_stepz=3"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert "train.max_stepz" in proc.stderr
+
+
+def test_train_callbacks_entries_are_built_or_named_in_the_error():
+    """``train.callbacks``: ``module:Name:args`` builds ``Name(*args)``; an entry that cannot be imported or
+    built is a config error naming it."""
+    import pytest
+    from harness.faults import KillAfter
+
+    from goat_dist.config import ConfigError
+    from goat_dist.trainer.callbacks import load_callbacks
+
+    (built,) = load_callbacks(["harness.faults:KillAfter:3-4"])
+    assert isinstance(built, KillAfter) and list(built.steps) == [3, 4]
+    with pytest.raises(ConfigError, match=r"train.callbacks\[1\]='no_such_module:Cb': cannot import"):
+        load_callbacks(["harness.faults:KillAfter:3", "no_such_module:Cb"])
+    with pytest.raises(ConfigError, match="has no callable Nope"):
+        load_callbacks(["harness.faults:Nope"])
+    with pytest.raises(ConfigError, match=r"KillAfter\('x'\) failed"):
+        load_callbacks(["harness.faults:KillAfter:x"])
+
+
+def test_an_unimportable_train_callback_fails_before_work(tmp_path):
+    proc = run_goat(["train", "train.callbacks=[no_such_module:Cb]", f"run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "train.callbacks[0]='no_such_module:Cb': cannot import no_such_module" in proc.stderr

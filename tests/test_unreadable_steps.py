@@ -58,7 +58,7 @@ def config(data: Path, run_dir: Path, *overrides: str):
 def labels_with_loss(cfg, layout, sources) -> list[list[int]]:
     """Per step (from 1), each data-parallel rank's count of labels with loss, read from fresh copies of
     the training stream: the oracle, independent of the trainer's counting."""
-    from goat_dist.trainer.batches import train_loader
+    from goat_dist.data.batches import train_loader
 
     t = cfg.train
     accum = t.global_batch_size // (t.micro_batch_size * layout.dp)

@@ -1,4 +1,4 @@
-"""The ZeRO-3 prior sync (trainer/zero3_prior.py) gathers after each change of the fp32 masters (an
+"""The ZeRO-3 prior sync (engine/zero3.py, the fp32 mirror) gathers after each change of the fp32 masters (an
 optimizer step; and once at the first forward, for a checkpoint loaded before it), not at every forward:
 the micro-batches of one step reuse the values of the last gather."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from multiproc import one_layer_config
 
-from goat_dist.attention.prior import FP32_FORWARD
+from goat_dist.goat.prior import FP32_FORWARD
 from goat_dist.model import GPT
 from goat_dist.trainer.parallelize import parallelize
 

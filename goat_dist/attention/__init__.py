@@ -1,11 +1,19 @@
-"""GOAT attention: learned attention priors folded into one attention kernel call."""
+"""Re-exports of the former ``goat_dist.attention`` package, for code that still imports it
+(``observe/attention_stats.py``: ``split_grouped_qkv``; ``plan/dry_run.py``: ``attention.prior``). The
+GOAT maths is ``goat_dist.goat``, the kernel calls are ``goat_dist.kernels``; new code imports those."""
 
-from .exact import sequence_origin, split_exact
-from .goat import goat_attention, split_grouped_qkv
-from .kernels import BACKENDS, attend, flash_available, resolve_backend
-from .module import GoatSelfAttention
-from .prior import GoatPrior, alibi_slopes, prior_lane_count
-from .reference import from_reference
+from ..goat import (
+    GoatPrior,
+    GoatSelfAttention,
+    alibi_slopes,
+    from_reference,
+    goat_attention,
+    prior_lane_count,
+    sequence_origin,
+    split_exact,
+    split_grouped_qkv,
+)
+from ..kernels import BACKENDS, attend, flash_available, resolve_backend
 
 __all__ = [
     "BACKENDS",

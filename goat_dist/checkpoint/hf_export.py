@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME
 
-from ..model.gpt import ffn_size, padded_vocab_size
+from ..shapes import ffn_size, head_dims, padded_vocab_size
 from .manager import CheckpointError
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
@@ -65,12 +65,7 @@ def _split_qkv(w: torch.Tensor, kv_heads: int, group: int, content_dim: int, hea
 def hf_tensors(cfg, tensors: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str, torch.Tensor]:
     """goat-dist's TP=1 tensors under Llama-style names (the remote model uses the same ones, plus
     ``self_attn.prior.*`` and ``embed_positions``). The vocabulary is cut to ``cfg.vocab_size``."""
-    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
-    head_dim = cfg.hidden_size // heads
-    lanes = 0
-    if cfg.position == "goat":
-        lanes = 2 * cfg.goat.pos_rank + (3 if cfg.goat.key_bias else 0)
-    content_dim = head_dim - lanes
+    heads, kv_heads, head_dim, content_dim = head_dims(cfg)
     ffn = ffn_size(cfg)
     out: dict[str, torch.Tensor] = {}
     left = dict(tensors)

@@ -23,6 +23,12 @@ parameter), each rank writing ~1/world of it; a resume on the same layout reads 
 thread per rank writes and hashes the files (``staging.py``), and ``poll`` (at step boundaries) or
 ``wait`` publishes the checkpoint once every rank's writes are done. At most one save is in flight: a
 new save, and the end of the run, wait for the pending one first.
+
+Listeners (``CheckpointManager.listeners``: objects defining any of these methods, on every rank) hear
+of a save's progress: ``file_written(step_dir, name)`` for each file an asynchronous save's background
+writer finished (on the writer's thread), ``shards_written(step_dir, step)`` once every rank's files are
+on disk and hashed, just before the manifest and ``latest`` are written, and ``published(step_dir, step)``
+once ``latest`` names the checkpoint.
 """
 
 from __future__ import annotations
@@ -68,12 +74,12 @@ class PendingSave:
     writer: object  # staging.BackgroundWriter
     started: float
     paused_s: float
-    fault_hook: object = None
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True):
+    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True, listeners=None):
         self.root = Path(run_dir) / "checkpoints"
+        self.listeners: list = list(listeners or [])  # told of each save's progress (module docstring)
         self.keep_last = keep_last
         self.is_main = is_main
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
@@ -131,12 +137,17 @@ class CheckpointManager:
             atomic_write_text(step_dir / STATE, json.dumps(trainer_state, indent=1))
             atomic_write_text(step_dir / "config.yaml", config_text)
 
-    def _publish(self, step_dir: Path, step: int, known: dict, error: str, fault_hook) -> None:
+    def _tell(self, event: str, *args) -> None:
+        for listener in self.listeners:
+            handler = getattr(listener, event, None)
+            if handler is not None:
+                handler(*args)
+
+    def _publish(self, step_dir: Path, step: int, known: dict, error: str) -> None:
         """Collective, once every rank's files are on disk (or a write failed: ``error``): digests in
         parallel, then rank 0 writes the manifest, ``latest`` and prunes."""
         files = digest_files(step_dir, known, error)  # raises a write failure on every rank
-        if fault_hook is not None:
-            fault_hook("before_publish", step_dir)
+        self._tell("shards_written", step_dir, step)
         if self.is_main:
             write_manifest(step_dir, {"step": step, "saved_at": time.time()}, files=files)
             atomic_write_text(self.root / LATEST, step_dir.name)
@@ -144,8 +155,9 @@ class CheckpointManager:
             lineage.prune(self.root, step_dir.name, self.keep_last)
         dist.barrier()
         self.parent = step_dir.name
+        self._tell("published", step_dir, step)
 
-    def save(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
+    def save(self, engine, trainer_state: dict, config_text: str) -> Path:
         """Collective: every rank calls it. Returns the published step directory."""
         self.wait()  # a pending asynchronous save is published first
         started = time.perf_counter()
@@ -157,12 +169,12 @@ class CheckpointManager:
         known[rng_file.name] = digest(rng_file)
         self._write_run_files(step_dir, trainer_state, config_text)
         dist.barrier()  # every shard is on disk
-        self._publish(step_dir, step, known, "", fault_hook)
+        self._publish(step_dir, step, known, "")
         self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
         self._record_cost(step)
         return step_dir
 
-    def save_async(self, engine, trainer_state: dict, config_text: str, fault_hook=None) -> Path:
+    def save_async(self, engine, trainer_state: dict, config_text: str) -> Path:
         """Collective: stage this step's checkpoint in host memory and return; the files are written in the
         background and published by ``poll`` or ``wait``. Returns the (not yet published) step directory;
         ``trainer_state["last_save_s"]`` is the pause (staging) the caller saw."""
@@ -173,13 +185,13 @@ class CheckpointManager:
         step = trainer_state["step"]
         step_dir = self._begin_save(trainer_state)
         self._buffers = self._buffers or HostBuffers()
-        writer = BackgroundWriter(step_dir, self._buffers, fault_hook)
+        writer = BackgroundWriter(step_dir, self._buffers, self.listeners)
         stage_universal(engine, engine.module, step_dir, step, writer)
         queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
         self._write_run_files(step_dir, trainer_state, config_text)
         writer.start()
         paused = time.perf_counter() - started
-        self.pending = PendingSave(step_dir, step, writer, started, paused, fault_hook)
+        self.pending = PendingSave(step_dir, step, writer, started, paused)
         trainer_state["last_save_s"] = paused
         return step_dir
 
@@ -203,7 +215,7 @@ class CheckpointManager:
         pending, self.pending = self.pending, None
         writer = pending.writer
         try:
-            self._publish(pending.step_dir, pending.step, writer.digests, writer.error, pending.fault_hook)
+            self._publish(pending.step_dir, pending.step, writer.digests, writer.error)
         finally:
             writer.close()
         self.last_save_s = time.perf_counter() - pending.started

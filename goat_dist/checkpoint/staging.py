@@ -119,14 +119,15 @@ def host_copy(t: torch.Tensor, buffers: HostBuffers) -> torch.Tensor:
 
 class BackgroundWriter:
     """One thread writing queued files in order. Each job writes one file, fsyncs it and records its size
-    and sha256 (read back from disk), keyed by its name relative to the checkpoint directory."""
+    and sha256 (read back from disk), keyed by its name relative to the checkpoint directory; each
+    listener's ``file_written(step_dir, name)`` hears of it, on this thread (``CheckpointManager``)."""
 
-    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, fault_hook=None):
+    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, listeners=()):
         self.step_dir = Path(step_dir)
         self.digests: dict[str, dict] = {}
         self.error = ""
         self.buffers = buffers or HostBuffers()
-        self._fault_hook = fault_hook
+        self.listeners = list(listeners)
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -168,8 +169,10 @@ class BackgroundWriter:
                     self.digests[name] = written
                     self.bytes += self.digests[name]["bytes"]
                     self._written += 1
-                    if self._written == 1 and self._fault_hook is not None:
-                        self._fault_hook("async_write", self.step_dir)  # tests: a crash mid-write
+                    for listener in self.listeners:
+                        handler = getattr(listener, "file_written", None)
+                        if handler is not None:
+                            handler(self.step_dir, name)
             except BaseException as e:  # noqa: BLE001 - reported to every rank when the save is finished
                 failure = f"{type(e).__name__}: {e}"
                 self.error = f"checkpoint {self.step_dir}: writing {path.name} failed: {failure}"

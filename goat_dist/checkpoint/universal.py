@@ -3,7 +3,7 @@
 Format 2 (this release). Inside each checkpoint, ``universal/rank<R>.safetensors`` is written by global
 rank R and holds only what R holds: for each parameter, the flat range of its TP-local tensor that R's
 optimizer partition owns, for the fp32 master and Adam's ``exp_avg`` / ``exp_avg_sq`` (read from wherever
-DeepSpeed keeps them, ``masters.py``: never the bf16 forward weights). No rank gathers anything: under
+DeepSpeed keeps them, ``engine.masters``: never the bf16 forward weights). No rank gathers anything: under
 ZeRO-1/2/3 the partitions are disjoint over data x context parallelism; without ZeRO every replica holds
 the whole TP slice, so each writes an even 1/(dp x cp) of every parameter's flat range. The TP slices of
 parameters that TP does not split (norms, the GOAT prior) are written by every TP rank (each its own, so
@@ -40,22 +40,28 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..atomic import atomic_write_text
+from ..engine.masters import KEYS, MOMENTS
+from ..engine.masters import layout_of as engine_layout_of
+from ..engine.steps import set_step_counters, step_counters
+from ..engine.zero3 import full_shape
 from . import tensor_file
-from .masters import KEYS, MOMENTS, layout_of
+from .errors import CheckpointError
 from .slices import UniversalReader, tensor_key
 
 __all__ = ["FORMAT", "MOMENTS", "load", "merge", "read_full", "require_state", "save", "split", "split_meta"]
 
 FORMAT = 2
-COUNTERS = ("global_steps", "global_samples", "skipped_steps")  # DeepSpeed's engine step counters
+
+
+def layout_of(engine):
+    """The engine's master layout (``goat_dist.engine.masters``); one it cannot read is a CheckpointError."""
+    return engine_layout_of(engine, CheckpointError)
 
 
 def require_state(step_dir: Path, purpose: str) -> None:
     """A CheckpointError unless ``step_dir`` has a universal state: a checkpoint without one is format 0
     (DeepSpeed's own shards only, saved with ``checkpoint.universal=false`` by an earlier release)."""
     if not (Path(step_dir) / "universal" / "meta.json").is_file():
-        from .errors import CheckpointError
-
         raise CheckpointError(
             f"checkpoint {step_dir} has no universal/ state: it is a format-0 checkpoint (DeepSpeed's own "
             "shards only, saved with checkpoint.universal=false by an earlier goat-dist). This release reads "
@@ -98,7 +104,7 @@ def own_pieces(engine, model) -> tuple[list[tuple[str, int, int, dict]], dict, o
     index, count = _replica() if masters.replicated else (0, 1)
     pieces, params = [], {}
     for name, p in model.named_parameters():
-        shape = list(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3: the shape before partitioning
+        shape = full_shape(p)  # ZeRO-3: the shape before partitioning
         params[name] = {**split_meta(p), "shape": shape}
         for owned in masters.pieces(p):
             start, numel = _share(owned.start, owned.numel, index, count)
@@ -134,7 +140,7 @@ def _record(engine, masters, step: int, params: dict, gathered: list) -> dict:
         "optimizer": masters.name,
         "adam_step": masters.adam_step(),
         "lr_step": None if scheduler is None else int(scheduler.last_epoch),
-        "engine": {k: int(getattr(engine, k, 0) or 0) for k in COUNTERS},
+        "engine": step_counters(engine),
         "params": params,
         "files": files,
         "pieces": table,
@@ -208,8 +214,7 @@ def load(
     if adam_step is None:  # a resume: the saved counters (older checkpoints: the trainer's step)
         saved = meta.get("adam_step")
         adam_step = step if saved is None else saved
-        for key, value in meta.get("engine", {}).items():
-            setattr(engine, key, value)
+        set_step_counters(engine, meta.get("engine", {}))
     masters.finish_load(adam_step)
     if schedule:
         lr_step = meta.get("lr_step")
@@ -219,9 +224,7 @@ def load(
 def _check_shape(reader: UniversalReader, name: str, p, step_dir: Path) -> None:
     """The saved tensor, split for this layout, must have the parameter's (TP-local) shape: another
     model.* section (or a learned position table of another model.seq_len) is an error naming it."""
-    from .errors import CheckpointError
-
-    want = list(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3: the shape before partitioning
+    want = full_shape(p)  # ZeRO-3: the shape before partitioning
     got = reader.local_shape(name)
     if got != want:
         raise CheckpointError(

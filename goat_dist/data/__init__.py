@@ -2,7 +2,12 @@
 
 `sources` finds a data set's shards and token counts (local directory or URL prefix), `schedule`
 decides which window of which source feeds which sample, `reader` reads token ranges of an epoch,
-`shards` opens shards (local or URL) and `loader` turns it all into DataLoaders.
+`shards` opens shards (local or URL) and `loader` turns it all into DataLoaders. `batches` resolves
+the configured data set(s) and builds this rank's training and validation loaders; `contract` is the
+data contract a checkpoint records (what ``consumed_samples`` depends on) and its resume check.
+
+Imports: torch, numpy, webdataset, the torch-free `data_tools`, and `goat_dist.config` /
+`goat_dist.distributed` / `goat_dist.atomic`; nothing of the model.
 
 Everything offline (tokenizer training, corpus preparation, inspection, the builtin stdlib data
 set, the shard format and writer) lives in the torch-free `data_tools` package; the names below

@@ -3,6 +3,10 @@
 Read top to bottom: embedding -> N x (pre-norm attention, pre-norm MLP) -> final norm -> vocab-parallel
 logits -> vocab-parallel cross-entropy. Activations between blocks are ``[s, b, h]``; under sequence
 parallelism each TP rank holds ``s / tp`` of them.
+
+The parallel layout is set up from ``parallel/model_parallel.py`` (``apply``: sequence parallelism's
+scatter/gather, the context-parallel split, activation checkpointing), which the constructor calls;
+the forward reads no process state (the TP rank is read once, at construction).
 """
 
 from __future__ import annotations
@@ -14,31 +18,16 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from ..attention.kernels import document_segments
 from ..config import ModelConfig
 from ..data.loader import IGNORE_INDEX  # label of tokens that carry no loss
-from ..parallel.context import ContextShard, context_shard
+from ..kernels import document_segments
+from ..parallel import model_parallel
+from ..parallel.context import ContextShard
+from ..shapes import ffn_size, padded_vocab_size
 from .attention import ParallelSelfAttention
 
-
-def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
-    """Round the vocabulary up to ``multiple`` (and, only if needed, to ``multiple * tp``) so every TP
-    rank holds an equal slice; the same size for every TP size whenever possible, so checkpoints and
-    initial weights do not depend on the layout."""
-    padded = math.ceil(vocab_size / multiple) * multiple
-    if padded % tp:
-        padded = math.ceil(vocab_size / (multiple * tp)) * multiple * tp
-    return padded
-
-
-def ffn_size(cfg: ModelConfig) -> int:
-    if cfg.ffn_hidden_size:
-        return cfg.ffn_hidden_size
-    if cfg.activation == "gelu":
-        return 4 * cfg.hidden_size
-    return 64 * math.ceil(8 * cfg.hidden_size / 3 / 64)
+__all__ = ["GPT", "ffn_size", "init_shard_", "padded_vocab_size"]
 
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
@@ -150,18 +139,26 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) 
 
 class GPT(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, sequence_parallel: bool = False, activation_checkpointing: str = "none"
+        self,
+        cfg: ModelConfig,
+        sequence_parallel: bool = False,
+        activation_checkpointing: str = "none",
+        context=model_parallel.WORLD,
     ):
+        """``context``: context parallelism (``parallel.context.ContextParallel``, None, or by default
+        this process's, see ``parallel.model_parallel.apply``)."""
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         # from the global seed, identical on every rank; on the CPU generator also when the model is built
         # under a device context (the planner materialises shards on the meta device)
         base_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         self.cfg = cfg
-        self.sequence_parallel = sequence_parallel
-        self.activation_checkpointing = activation_checkpointing
+        self.tp = tp  # the TP size the layers below are split for
+        self.sequence_parallel = sequence_parallel  # megatron's layers below are built for it
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp)
+        self.vocab_first = tp_rank * (self.padded_vocab // tp)  # this rank's first vocabulary column
         mp = ModelParallelConfig(
             tensor_model_parallel_size=tp,
             sequence_parallel=sequence_parallel,
@@ -183,8 +180,6 @@ class GPT(nn.Module):
         if self.pos_embedding is not None:
             init(self.pos_embedding.weight)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, mp, init, out_init) for _ in range(cfg.num_layers))
-        for block in self.blocks:
-            block.attn.checkpoint_core = activation_checkpointing == "selective"
         self.final_norm = make_norm(cfg, sequence_parallel)
         self.output = None
         if not cfg.tie_embeddings:
@@ -197,6 +192,7 @@ class GPT(nn.Module):
                 gather_output=False,
             )
         self._init_shards(base_seed, std, std / math.sqrt(2 * cfg.num_layers))
+        model_parallel.apply(self, activation_checkpointing=activation_checkpointing, context=context)
 
     def _init_shards(self, base_seed: int, std: float, out_std: float) -> None:
         """Initialise megatron's TP layers, each rank only its shards, to the same values for every TP
@@ -233,13 +229,9 @@ class GPT(nn.Module):
         x = x.transpose(0, 1).contiguous()
         # None unless positions restart (packed documents); under CP the shard holds the whole rows'
         segments = document_segments(position_ids) if shard is None else None
-        if self.sequence_parallel:
-            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        x = self.into_sequence_region(x)  # scatter under SP (parallel.model_parallel)
         for block in self.blocks:
-            if self.activation_checkpointing == "full" and self.training:
-                x = checkpoint(block, x, position_ids, segments, shard, use_reentrant=False)
-            else:
-                x = block(x, position_ids, segments, shard)
+            x = self.block_call(self, block, x, position_ids, segments, shard)  # checkpointed under ``full``
         return self.final_norm(x)
 
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -247,15 +239,12 @@ class GPT(nn.Module):
         if self.output is not None:
             logits, _ = self.output(hidden)
         else:
-            if self.sequence_parallel:
-                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
-            else:
-                hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+            hidden = self.tied_output_input(hidden)  # gather under SP, else copy to the TP region
             logits = F.linear(hidden, self.embedding.weight)
         logits = logits.float()
         if self.padded_vocab != self.vocab_size:
             local = logits.shape[-1]
-            first = parallel_state.get_tensor_model_parallel_rank() * local
+            first = self.vocab_first
             padding = torch.arange(first, first + local, device=logits.device) >= self.vocab_size
             logits = logits.masked_fill(padding, float("-inf"))
         return logits
@@ -266,8 +255,9 @@ class GPT(nn.Module):
         Context parallel (``parallel.cp`` > 1): every CP rank is given the whole rows and keeps its two
         chunks (``parallel/context.py``); logits are those of its chunks, and the loss is
         ``cp x (its tokens' loss sum) / (tokens of the whole rows)``, whose mean over the CP group is the
-        whole rows' mean (gradients are averaged over DP x CP, so the factor cp cancels there too)."""
-        shard = context_shard(position_ids)
+        whole rows' mean (gradients are averaged over DP x CP, so the factor cp cancels there too).
+        The CP group is ``self.context``, set up by ``parallel.model_parallel.apply``."""
+        shard = None if self.context is None else self.context.shard(position_ids)
         count = None
         if shard is not None:
             if labels is not None:

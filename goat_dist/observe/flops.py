@@ -21,43 +21,10 @@ fused ops do not count). The convention (Kaplan et al. / PaLM appendix B, with t
 
 from __future__ import annotations
 
-from ..attention.prior import prior_lane_count
 from ..config import ModelConfig
-from ..model.gpt import ffn_size, padded_vocab_size
+from ..shapes import block_params, non_embedding_params, padded_vocab_size
 
-
-def _norm_params(cfg: ModelConfig) -> int:
-    return cfg.hidden_size * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-
-
-def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block (TP = 1 shapes)."""
-    h, heads = cfg.hidden_size, cfg.num_heads
-    kv = cfg.num_kv_heads or heads
-    head_dim = h // heads
-    content = head_dim
-    prior = 0
-    if cfg.position == "goat":
-        g = cfg.goat
-        content = head_dim - prior_lane_count(g.pos_rank, g.key_bias)
-        prior = 2 * kv * g.pos_rank
-        if g.key_bias:
-            prior += 2 * kv  # BOS bump, recency slope per KV head
-        if g.key_bias and g.abs_rank > 0:
-            hidden, features = 4, 2 * g.abs_rank + 2
-            prior += features * hidden + hidden + hidden + 1 + kv  # sink MLP and its per-head gain
-    qkv_width = kv * ((heads // kv + 1) * content + head_dim)  # q and k: content dims; v: full head dim
-    bias = int(cfg.bias)
-    ffn = ffn_size(cfg)
-    fc1_width = 2 * ffn if cfg.activation == "swiglu" else ffn
-    attention = h * qkv_width + bias * qkv_width + heads * head_dim * h + bias * h
-    mlp = h * fc1_width + bias * fc1_width + ffn * h + bias * h
-    return 2 * _norm_params(cfg) + attention + prior + mlp
-
-
-def non_embedding_params(cfg: ModelConfig) -> int:
-    """N: all blocks plus the final norm; embeddings and the output matrix excluded."""
-    return cfg.num_layers * block_params(cfg) + _norm_params(cfg)
+__all__ = ["block_params", "flops_per_token", "non_embedding_params"]  # the counts: goat_dist.shapes
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, float]:

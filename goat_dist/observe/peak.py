@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_text
+from ..precision import resolve_precision, torch_dtype
 
 # Dense (no structured sparsity) peak FLOP/s per GPU, NVIDIA datasheets (SXM parts unless named). fp32 is
 # the non-tensor-core rate: torch does not use TF32 for fp32 matmuls unless told to.
@@ -33,11 +34,8 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def training_dtype(precision: str, device: torch.device) -> str:
-    """``bf16`` or ``fp32``: what the matmuls of a run with ``train.precision`` use on ``device``."""
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
+# ``bf16`` or ``fp32``: what the matmuls of a run with ``train.precision`` use on a device (the one resolver)
+training_dtype = resolve_precision
 
 
 def table_peak(device_name: str, dtype: str) -> float | None:
@@ -82,7 +80,7 @@ def cpu_peak(dtype: str, cache_dir: str | Path, remeasure: bool = False) -> floa
     except (OSError, ValueError):
         known = {}
     if key not in known or remeasure:
-        measured = measure_matmul_flops({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        measured = measure_matmul_flops(torch_dtype(dtype))
         known[key] = max(measured, float(known.get(key, 0.0)))
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -7,16 +7,17 @@ with positions ``(0, d)`` and no causal recency, ``K[1, 0] = K_rel(d) + u(0)``.
 
 Under tensor parallelism each rank owns some KV heads; every rank computes its own and the TP group
 gathers them to its first rank (a collective, only at ``log.prior_interval`` steps). Under ZeRO-3 the
-prior's parameters are gathered for the moment (they are tiny and normally persistent anyway).
+prior's parameters are gathered for the moment (``engine.zero3.gathered``; they are tiny and normally
+persistent anyway).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from ..engine.zero3 import gathered
 
 REACH = 4  # curves extend to REACH x the training length: extrapolation is the point
 GRID = 128  # the heatmap samples GRID positions over twice the training length
@@ -67,15 +68,6 @@ def prior_curves(prior, train_len: int, reach: int = REACH, grid: int = GRID) ->
     }
 
 
-def _gathered_parameters(module):
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
 def _gather_heads(curves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Concatenate every TP rank's heads (first dim of the per-head tensors) in rank order."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -97,13 +89,13 @@ def prior_snapshot(model, layers: list[int] | None, heads: list[int] | None, ste
     if getattr(blocks[0].attn, "prior", None) is None:
         return None
     train_len = blocks[0].attn.prior.training_seq_len
-    sync = getattr(model, "sync_prior_masters", None)  # ZeRO-3 + bf16: the fp32 values (zero3_prior.py)
+    sync = getattr(model, "sync_prior_masters", None)  # ZeRO-3 + bf16: the fp32 values (engine/zero3.py)
     if sync is not None:
         sync()
     snapshot = {"step": step, "train_len": train_len, "layers": {}}
     for layer in chosen_layers(layers, len(blocks)):
         prior = blocks[layer].attn.prior
-        with _gathered_parameters(prior):
+        with gathered(prior):
             curves = _gather_heads(prior_curves(prior, train_len))
         total = curves["k_rel"].shape[0]
         keep = list(range(total)) if heads is None else [h for h in heads if 0 <= h < total]

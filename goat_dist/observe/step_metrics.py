@@ -27,7 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..parallel.zero3 import partition_values
+from ..engine.zero3 import is_partitioned, partition_values
 from .flops import flops_per_token
 from .peak import cpu_peak, peak_flops, training_dtype
 
@@ -39,7 +39,7 @@ def param_sumsq_share(model: torch.nn.Module, tp: int, dp: int, dp_rank: int) ->
     total = None  # accumulated where the weights live: one device-to-host copy at the end
     for p in model.parameters():
         split_over_tp = bool(getattr(p, "tensor_model_parallel", False))
-        if hasattr(p, "ds_tensor"):  # ZeRO-3: a flat partition per DP rank, padding past ds_numel
+        if is_partitioned(p):  # ZeRO-3: a flat partition per DP rank, read without its padding
             values = partition_values(p, dp_rank)
             replicas = 1 if split_over_tp else tp
         else:

@@ -9,7 +9,7 @@ model is built once per TP rank (as rank ``tp_rank`` of DP rank 0) and the ZeRO 
 rank follow DeepSpeed's partitioning (``plan.memory``). The optimizer is the trainer's own (``optim``'s
 parameter groups, torch AdamW), stepped once on meta gradients so that its state exists.
 
-Checked against the planner: every parameter's name and local shape (``plan.memory.param_inventory``),
+Checked against the planner: every parameter's name and local shape (``shapes.param_inventory``),
 the per-rank count, and the Adam moments the optimizer really created.
 """
 

@@ -1,132 +1,51 @@
 """Per-rank memory of a training run, from the config alone: parameters, gradients, optimizer state
-(per ZeRO stage, as DeepSpeed stores them) and activations (per micro-batch, as this model saves them).
+(per ZeRO stage, as the engine stores them) and activations (per micro-batch, as this model saves them).
 
 Every term is documented, with its derivation, in ``docs/planner.md``; the parameter inventory is checked
 name by name against the real model (``goat-dist plan --materialize``, ``tests/test_plan*.py``) and the
-byte counts against DeepSpeed engines and saved-tensor hooks on CPU.
+byte counts against real engines and saved-tensor hooks on CPU.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
-from dataclasses import dataclass
 
-from ..attention.prior import prior_lane_count
-from ..config import Config, ModelConfig
-from ..model.gpt import ffn_size, padded_vocab_size
+from ..config import Config
+from ..shapes import (
+    SINK_HIDDEN,
+    ParamSpec,
+    ffn_size,
+    head_dims,
+    padded_vocab_size,
+    param_inventory,
+    qkv_width,
+    total_params,
+)
 
-SINK_HIDDEN = 4  # attention.prior.SinkMLP's hidden width
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter as a TP rank holds it: its local shape, optimizer group and whether TP splits it."""
-
-    name: str
-    shape: tuple[int, ...]
-    group: str  # decay | no_decay | prior (trainer.optim.param_groups)
-    tp_split: bool
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def _norm(prefix: str, cfg: ModelConfig) -> list[ParamSpec]:
-    out = [ParamSpec(f"{prefix}.weight", (cfg.hidden_size,), "no_decay", False)]
-    if cfg.norm == "layernorm" and cfg.bias:
-        out.append(ParamSpec(f"{prefix}.bias", (cfg.hidden_size,), "no_decay", False))
-    return out
-
-
-def _linear(
-    prefix: str, out_features: int, in_features: int, bias: bool, bias_split: bool
-) -> list[ParamSpec]:
-    out = [ParamSpec(f"{prefix}.weight", (out_features, in_features), "decay", True)]
-    if bias:
-        out.append(ParamSpec(f"{prefix}.bias", (out_features,), "no_decay", bias_split))
-    return out
-
-
-def head_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(heads, kv heads, head dim, q/k content dims): GOAT's prior takes 2R+3 lanes of each q/k head."""
-    heads, kv = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
-    head_dim = cfg.hidden_size // heads
-    content = head_dim
-    if cfg.position == "goat":
-        content = head_dim - prior_lane_count(cfg.goat.pos_rank, cfg.goat.key_bias)
-    return heads, kv, head_dim, content
-
-
-def qkv_width(cfg: ModelConfig) -> int:
-    """Columns of the fused q/k/v projection (TP = 1): per KV group, q and k content dims and a full v."""
-    heads, kv, head_dim, content = head_dims(cfg)
-    return kv * ((heads // kv + 1) * content + head_dim)
-
-
-def param_inventory(cfg: ModelConfig, tp: int = 1) -> list[ParamSpec]:
-    """Every parameter of ``model.GPT`` on one TP rank (all TP ranks hold the same shapes), in the
-    model's own ``named_parameters`` order."""
-    h, heads = cfg.hidden_size, cfg.num_heads
-    _, kv, head_dim, _ = head_dims(cfg)
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp)
-    ffn = ffn_size(cfg)
-    fc1 = 2 * ffn if cfg.activation == "swiglu" else ffn
-    out = [ParamSpec("embedding.weight", (vocab // tp, h), "decay", True)]
-    if cfg.position == "learned":
-        out.append(ParamSpec("pos_embedding.weight", (cfg.seq_len, h), "decay", False))
-    for i in range(cfg.num_layers):
-        b = f"blocks.{i}"
-        out += _norm(f"{b}.attn_norm", cfg)
-        if cfg.position == "goat":
-            g, local_kv = cfg.goat, kv // tp
-            p = f"{b}.attn.prior"
-            if g.pos_rank > 0:  # pos_rank 0 / abs_rank 0: the prior has no K_rel / no sink MLP at all
-                out += [ParamSpec(f"{p}.lambda_sym", (local_kv, g.pos_rank), "prior", True),
-                        ParamSpec(f"{p}.lambda_asym", (local_kv, g.pos_rank), "prior", True)]  # fmt: skip
-            if g.key_bias and g.abs_rank > 0:
-                features = 2 * g.abs_rank + 2
-                out += [ParamSpec(f"{p}.sink_gain", (local_kv,), "prior", True)]
-            if g.key_bias:
-                out += [
-                    ParamSpec(f"{p}.sink_bump", (local_kv,), "prior", True),
-                    ParamSpec(f"{p}.recency_slope_raw", (local_kv,), "prior", True),
-                ]
-            if g.key_bias and g.abs_rank > 0:
-                out += [
-                    ParamSpec(f"{p}.sink_mlp.fc1.weight", (SINK_HIDDEN, features), "prior", False),
-                    ParamSpec(f"{p}.sink_mlp.fc1.bias", (SINK_HIDDEN,), "prior", False),
-                    ParamSpec(f"{p}.sink_mlp.fc2.weight", (1, SINK_HIDDEN), "prior", False),
-                    ParamSpec(f"{p}.sink_mlp.fc2.bias", (1,), "prior", False),
-                ]
-        out += _linear(f"{b}.attn.qkv", qkv_width(cfg) // tp, h, cfg.bias, True)
-        out += _linear(f"{b}.attn.proj", h, heads * head_dim // tp, cfg.bias, False)
-        out += _norm(f"{b}.mlp_norm", cfg)
-        out += _linear(f"{b}.mlp.fc1", fc1 // tp, h, cfg.bias, True)
-        out += _linear(f"{b}.mlp.fc2", h, ffn // tp, cfg.bias, False)
-    out += _norm("final_norm", cfg)
-    if not cfg.tie_embeddings:
-        out.append(ParamSpec("output.weight", (vocab // tp, h), "decay", True))
-    return out
-
-
-def total_params(cfg: ModelConfig) -> int:
-    """The model's parameter count (TP = 1, embeddings included, vocabulary padding included)."""
-    return sum(p.numel for p in param_inventory(cfg, 1))
+# the parameter inventory lives in ``goat_dist.shapes``; these names stay importable from here
+__all__ = [
+    "ParamSpec",
+    "activation_bytes",
+    "param_inventory",
+    "partition_overlap",
+    "state_bytes",
+    "total_params",
+    "transient_bytes",
+    "zero_options",
+]
 
 
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------
-# DeepSpeed's options that size its buffers, as ``trainer/parallelize.deepspeed_config`` sets them (a test
-# compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, DeepSpeed's
-# ``contiguous_gradients`` and ``overlap_comm`` on at every stage (overlap double-buffers the ZeRO-1/2 reduce
+# The engine's options that size its buffers, as ``trainer/parallelize.deepspeed_config`` sets them (a test
+# compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, contiguous
+# gradients and overlapped communication on at every stage (overlap double-buffers the ZeRO-1/2 reduce
 # bucket; ZeRO-0 has none). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
-# at most ``ZERO0_ALLREDUCE_ELEMENTS`` (``engine.MEMORY_OPT_ALLREDUCE_SIZE``).
+# at most ``ZERO0_ALLREDUCE_ELEMENTS`` (the engine's fixed all-reduce size).
 ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 def zero_options(cfg: Config) -> dict:
-    """The DeepSpeed ZeRO settings the byte counts below assume for ``cfg`` (the same at every stage)."""
+    """The ZeRO settings the byte counts below assume for ``cfg`` (the same at every stage)."""
     return {
         "reduce_bucket_size": cfg.model.hidden_size**2,
         "overlap_comm": True,
@@ -139,13 +58,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _flat_partition(numel: int, dp: int) -> int:
-    """ZeRO-1/2: a group is flattened, padded to a multiple of ``dp`` (and of 2 elements, DeepSpeed's
+    """ZeRO-1/2: a group is flattened, padded to a multiple of ``dp`` (and of 2 elements, the engine's
     NCCL alignment) and split into ``dp`` equal partitions."""
     return _ceil_div(numel, 2 * dp) * 2
 
 
 def _groups(inv: list[ParamSpec]) -> dict[str, list[int]]:
-    """Parameter sizes per optimizer group, in the order DeepSpeed flattens them (the model's order)."""
+    """Parameter sizes per optimizer group, in the order ZeRO flattens them (the model's order)."""
     groups: dict[str, list[int]] = {}
     for p in inv:
         groups.setdefault(p.group, []).append(p.numel)
@@ -155,9 +74,9 @@ def _groups(inv: list[ParamSpec]) -> dict[str, list[int]]:
 def partition_overlap(sizes: list[int], dp: int) -> list[int]:
     """Per ZeRO-1/2 rank: elements of the whole parameters that touch its partition of a group.
 
-    DeepSpeed keeps a rank's gradient partition as the gradients of every parameter that overlaps its
-    range, whole (``params_in_partition``: ``copy_grads_in_partition`` sizes ``grads_in_partition`` by
-    their full ``numel``), so a rank whose range cuts a large parameter (the embedding) holds all of it."""
+    ZeRO keeps a rank's gradient partition as the gradients of every parameter that overlaps its
+    range, whole (the partition's gradient buffer is sized by those parameters' full element counts), so
+    a rank whose range cuts a large parameter (the embedding) holds all of it."""
     part = _flat_partition(sum(sizes), dp)
     starts = [0]
     for n in sizes:
@@ -187,20 +106,20 @@ def _grad_accumulation(cfg: Config, replicas: int) -> int:
 
 
 def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]:
-    """Per-rank bytes of parameters, gradients, optimizer state and DeepSpeed's buffers at their peak
-    during gradient accumulation, as DeepSpeed keeps them with torch AdamW (``dp``: the replicas of a TP
+    """Per-rank bytes of parameters, gradients, optimizer state and the engine's buffers at their peak
+    during gradient accumulation, as the engine keeps them with torch AdamW (``dp``: the replicas of a TP
     slice, DP x CP). ``rank``: that replica's figures (ZeRO-2's partitions differ a little); None: the
     busiest replica.
 
-    ``bf16``: 2-byte working weights and gradients, fp32 master weights, fp32 Adam moments (DeepSpeed's
+    ``bf16``: 2-byte working weights and gradients, fp32 master weights, fp32 Adam moments (the engine's
     bf16 mode); GOAT's prior keeps fp32 working weights under ZeRO 0-2. ``fp32``: no master copy at ZeRO-0
-    (the optimizer steps the parameters), a flat fp32 copy per partition at ZeRO 1-3 (DeepSpeed clones it).
+    (the optimizer steps the parameters), a flat fp32 copy per partition at ZeRO 1-3 (the engine clones it).
 
-    Gradients, read from ``deepspeed/runtime/zero/stage_1_and_2.py`` and measured mid-accumulation:
+    Gradients, read from the engine's ZeRO-1/2 source and measured mid-accumulation:
     ZeRO-1 keeps every parameter's whole ``.grad`` until the accumulation boundary (it reduces only there)
     plus its reduce bucket; ZeRO-2 reduces during each backward and keeps the accumulated partition
-    (``all_grad_tensors``: the whole parameters touching its range) while the next micro-batch's
-    reduced copy (``grads_in_partition``) fills next to it, and a parameter larger than the bucket waits
+    (the whole parameters touching its range) while the next micro-batch's
+    reduced copy fills next to it, and a parameter larger than the bucket waits
     whole for its reduction; ZeRO-3 keeps a flat gradient partition, and at the end of a backward the
     largest parameter is gathered whole with its whole gradient.
     """
@@ -238,7 +157,7 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
             waiting = w * largest if largest > bucket_elements else 0
             buffers = bucket + copies * grads + waiting
     else:
-        persistent = 10 * m.hidden_size  # stage3_param_persistence_threshold (parallelize.deepspeed_config)
+        persistent = 10 * m.hidden_size  # ZeRO-3's persistence threshold (parallelize.deepspeed_config)
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
         params = w * (part + kept) + prior_extra

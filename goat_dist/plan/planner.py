@@ -12,6 +12,7 @@ import copy
 from ..config import Config
 from ..distributed import check_layout
 from ..observe.flops import flops_per_token
+from ..precision import resolve_precision
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
 from .memory import _cp, activation_bytes, param_inventory, state_bytes, total_params, transient_bytes
@@ -177,8 +178,8 @@ def make_plan(
     file-system write bandwidth (GB/s) for the checkpoint's save time."""
     world = nodes * gpus_per_node
     auto = cfg.train.precision == "auto"
-    if auto:  # auto is bf16 on CUDA, and the planner plans for GPUs
-        cfg = _with(cfg, precision="bf16")
+    if auto:  # the planner plans for GPUs: what auto means on CUDA
+        cfg = _with(cfg, precision=resolve_precision("auto", "cuda"))
     layout = layout_of(cfg, world)
     dp = layout["dp"]
     replicas = dp * layout["cp"]  # ZeRO partitions over DP x CP (trainer/parallelize.py)

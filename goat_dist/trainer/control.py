@@ -3,13 +3,15 @@
 Everything the ranks must agree on after the last backward of a step travels in one small float64
 vector, summed over the whole world: the loss, the data fingerprint, the skip count and the count of
 labels that carry loss, whether any loss or gradient was non-finite, whether a stop signal arrived, and
-rank 0's clock-based decisions (a time-interval checkpoint, a deadline). One all-reduce per step, on the
-device (NCCL on CUDA), and one host sync: reading its result. Values that are only logged are reduced at
-log intervals instead.
+the callbacks' requests for a save or a stop (``Trainer.request_save`` / ``request_stop``: the
+checkpoint policy's clock decisions, a time-interval checkpoint and the deadline, are such requests, made
+on rank 0 only so that every rank acts on one clock). One all-reduce per step, on the device (NCCL on
+CUDA), and one host sync: reading its result. Values that are only logged are reduced at log intervals
+instead.
 
 Why a sum over the world: flags become "any rank" (sum > 0); values that every tensor-parallel peer holds
 identically (loss, fingerprint, skip count, valid labels) are summed over all ranks and divided by the TP
-size, exactly. Clock decisions are contributed by rank 0 only, so every rank acts on the same clock.
+size, exactly. A request made on any rank is thus seen by every rank at the same step boundary.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ _VECTOR_ORDER = (
     "skipped",
     "valid_labels",
     "signal",
-    "save_due",
-    "deadline",
+    "save",
+    "stop",
 )
 
 
@@ -48,8 +50,11 @@ class StepControl:
     nonfinite_loss: int  # ranks x micro-batches whose loss was NaN/Inf
     nonfinite_grad: int  # ranks whose local gradients hold a NaN/Inf
     signal: bool  # a stop signal reached some rank
-    save_due: bool  # rank 0's clock: a time-interval checkpoint is due
-    deadline: bool  # rank 0's clock: the run's deadline is near (save and stop)
+    save: bool  # a callback on some rank asked for a checkpoint at this step boundary
+    stop: bool  # a callback on some rank asked to save and stop (the deadline is one such request)
+    # why the run stops here (signal first), the same on every rank that saw the cause itself: a signal's
+    # name or the request's reason; "... on another rank" where only the flag arrived; None: no stop
+    stop_reason: str | None = None
 
     @property
     def nonfinite(self) -> bool:
@@ -74,9 +79,9 @@ def agree(
     fingerprint: int,
     skipped: int,
     valid_labels: int,
-    signal: bool,
-    save_due: bool,
-    deadline: bool,
+    signal: str | bool | None,
+    save: bool,
+    stop: str | bool | None,
     tp: int,
     dp: int,
     cp: int = 1,
@@ -88,9 +93,11 @@ def agree(
     CPU), so the step's one host sync is reading the reduced vector. Context parallel: the CP ranks of a
     replica hold the same batch (fingerprint, skip count, valid labels) and losses whose CP mean is the
     rows' mean, like TP peers.
+
+    ``signal``: the stop signal this rank received (its name), if any; ``save``: a save requested on
+    this rank; ``stop``: the reason of a stop requested on this rank, if any.
     """
     peers = tp * cp  # ranks of one replica that hold the same batch
-    rank0 = dist.get_rank() == 0
     device_part = torch.stack(
         [loss_sum.detach().double(), nonfinite_loss.to(loss_sum.device).double(), nonfinite_grad.double()]
     )
@@ -99,9 +106,9 @@ def agree(
         float(fingerprint % FINGERPRINT_MOD),
         float(skipped),
         float(valid_labels),  # host ints: exact in float64 up to 2**53
-        float(signal),
-        float(save_due and rank0),
-        float(deadline and rank0),
+        float(bool(signal)),
+        float(bool(save)),
+        float(bool(stop)),
     ]
     host = torch.tensor(host_part, dtype=torch.float64)
     vector = torch.cat([device_part, host.to(device_part.device, non_blocking=True)])
@@ -115,9 +122,18 @@ def agree(
         nonfinite_loss=int(round(values["nonfinite_loss"])),
         nonfinite_grad=int(round(values["nonfinite_grad"])),
         signal=values["signal"] > 0,
-        save_due=values["save_due"] > 0,
-        deadline=values["deadline"] > 0,
+        save=values["save"] > 0,
+        stop=values["stop"] > 0,
+        stop_reason=_stop_reason(values, signal, stop),
     )
+
+
+def _stop_reason(values: dict, signal, stop) -> str | None:
+    """This rank's own cause (a signal's name, a request's reason), else that another rank had one."""
+    for key, mine, what in (("signal", signal, "signal"), ("stop", stop, "stop requested")):
+        if values[key] > 0:
+            return (mine if isinstance(mine, str) else what) if mine else f"{what} on another rank"
+    return None
 
 
 def batch_fingerprint(tokens: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,12 @@ class StopSignals:
         faulthandler.register(HANG_SIGNAL, file=STDERR_FD, all_threads=True)
         return self
 
+    def __enter__(self) -> StopSignals:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
     def step_started(self) -> None:
         """Re-arm the hang watchdog: stacks to stderr unless the next step starts within hang_after_s."""
         if self.hang_after_s:

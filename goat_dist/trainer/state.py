@@ -28,3 +28,22 @@ class RunState:
     def load_state_dict(self, d: dict) -> None:
         for key, value in d.items():
             setattr(self, key, value)
+
+
+@dataclass
+class LoopState:
+    """What one training loop of this process tracks besides the run state (never saved): made once by
+    the trainer, (re)started by ``Trainer.start_loop``, read by callbacks through ``trainer.loop``."""
+
+    loader: object = None  # this rank's training DataLoader (its dataset maps micro-batches to samples)
+    first_step: int = 0  # the run state's step when this loop started
+    micro_seen: int = 0  # micro-batches this loop has drawn from the loader
+    last_step_s: float = 0.0  # wall time of the last optimizer step
+    nonfinite_in_row: int = 0  # dropped non-finite updates in a row
+    save_requested: bool = False  # a callback of this rank asked for a save (travels in the next collective)
+    stop_requested: str | None = None  # ... or for a stop, and why
+
+    def start(self, loader, step: int) -> None:
+        self.loader, self.first_step, self.micro_seen = loader, step, 0
+        self.last_step_s, self.nonfinite_in_row = 0.0, 0
+        self.save_requested, self.stop_requested = False, None

@@ -1,16 +1,16 @@
-"""The training loop. Everything else (logging, parallelism, data) is set up around it."""
+"""The training loop. Everything else (logging, parallelism, data) is set up around it.
+
+The loop trains and tells its callbacks (``callbacks/``) what happens; checkpoints, evaluation, pictures,
+throughput and memory are callbacks of their own, as are the loggers and the user's ``train.callbacks``.
+A callback asks for a save or a stop with ``request_save`` / ``request_stop``: the request travels in the
+step's one collective (``control.agree``), so every rank honours it at the same step boundary."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import yaml
-from megatron.core import parallel_state
 
 from .. import distributed
 from ..checkpoint import CheckpointManager, extension
@@ -18,15 +18,24 @@ from ..config import Config, save_config
 from ..model import GPT
 from . import data_contract, nonfinite, unreadable
 from .batches import data_sources, train_loader, val_loader
-from .callbacks import Callback, ConsoleLogger, JsonlLogger, TensorBoardLogger
+from .callbacks import (
+    Callback,
+    Checkpointing,
+    ConsoleLogger,
+    Evaluation,
+    JsonlLogger,
+    MemoryUse,
+    PriorPictures,
+    TensorBoardLogger,
+    Throughput,
+    load_callbacks,
+    start_info,
+)
 from .control import StepControl, agree, batch_fingerprint
-from .deadline import Deadline
-from .faults import fault_due, fault_hook, kill_after
-from .memory import training_state_bytes
 from .parallelize import parallelize
 from .precision import autocast_context, resolve_precision
 from .signals import HANG_FRACTION, StopSignals
-from .state import RunState
+from .state import LoopState, RunState
 
 
 def seed_everything(seed: int) -> None:
@@ -47,6 +56,9 @@ def gradient_accumulation(cfg: Config, dp: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: Config, callbacks: list[Callback] | None = None):
+        """``callbacks``: the output callbacks (default: the loggers, on the main rank); the trainer's own
+        jobs and ``train.callbacks`` are added to them on every rank."""
+        plugins = load_callbacks(cfg.train.callbacks)  # first: a bad entry fails before any work
         self.cfg = cfg
         p = cfg.parallel
         self.layout = distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=cfg.run_dir)
@@ -83,12 +95,15 @@ class Trainer:
         self.autocast = autocast_context(cfg, self.layout.device)
         self.sources = data_sources(cfg, self.layout, log=log)
         self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
-        self.callbacks = callbacks if callbacks is not None else self._default_callbacks()
+        given = callbacks if callbacks is not None else self._default_loggers()
         self.contract = data_contract.data_contract(cfg, self.sources)
         self.resumed_from = self._resume()
         self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
-        self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
-        self._nonfinite_in_row = 0
+        self.loop = LoopState(first_step=self.state.step)
+        self.checkpointing = Checkpointing(self)
+        jobs = [Throughput(self), Evaluation(self), PriorPictures(self), self.checkpointing, MemoryUse()]
+        self.callbacks: list = [*jobs, *given, *plugins]
+        self._attach()
 
     def _resume(self) -> Path | None:
         """Continue from a checkpoint per ``train.resume``: auto (the run dir's latest), never, or a path.
@@ -144,61 +159,7 @@ class Trainer:
             "param_groups": [g.get("name") for g in self.engine.optimizer.param_groups],
         }
 
-    def save_checkpoint(self, final: bool = False) -> Path:
-        """Collective. With ``checkpoint.async`` the state is staged in host memory and written in the
-        background (published later by ``_finish_pending``); ``final`` (a stop or the end of the run) waits
-        until it is published. A pending save is published before the next one starts."""
-        self._finish_pending(wait=True)
-        bad = nonfinite.first_nonfinite_weight(self.engine.module)
-        flag = torch.tensor([0 if bad is None else 1])
-        dist.all_reduce(flag)
-        if flag.item():
-            raise nonfinite.NonFiniteError(
-                f"step {self.state.step}: refusing to save a checkpoint from non-finite weights "
-                f"({bad or 'on another rank'}); the previous checkpoint stays the latest"
-            )
-        trainer_state = {
-            "step": self.state.step,
-            "init_from": None if self.init_source is None else str(self.init_source),
-            "run_state": self.state.state_dict(),
-            "data_contract": self.contract,
-            **self.layout_record(),
-        }
-        config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
-        self._saved_step = self.state.step
-        if self.cfg.checkpoint.async_save:
-            path = self.checkpoints.save_async(self.engine, trainer_state, config_text, fault_hook=fault_hook)
-            self._last_save_time = time.monotonic()
-            if final:
-                self._finish_pending(wait=True)
-            return path
-        path = self.checkpoints.save(self.engine, trainer_state, config_text, fault_hook=fault_hook)
-        self._last_save_time = time.monotonic()
-        self._last_save_s = trainer_state["last_save_s"]
-        self._emit("on_checkpoint", {"path": str(path), "save_s": trainer_state["last_save_s"]})
-        return path
-
-    def _finish_pending(self, wait: bool) -> None:
-        """Collective while an asynchronous save is pending (at every step boundary until it is published):
-        publish it once every rank's writes are done, or, with ``wait``, wait for them now."""
-        pending = self.checkpoints.pending
-        if pending is None:
-            return
-        path = self.checkpoints.wait() if wait else self.checkpoints.poll()
-        if path is not None:
-            self._last_save_s = self.checkpoints.last_save_s  # the deadline's estimate: staging to publish
-            info = {"path": str(path), "save_s": self.checkpoints.last_save_s, "pause_s": pending.paused_s}
-            self._emit("on_checkpoint", info)
-
-    def _minutes_due(self) -> bool:
-        """This rank's clock says a time-interval checkpoint is due (rank 0's answer is the one used)."""
-        minutes = self.cfg.checkpoint.interval_minutes
-        return bool(minutes) and (time.monotonic() - self._last_save_time) / 60 >= minutes
-
-    def _deadline_near(self) -> bool:
-        return self.deadline is not None and self.deadline.due(self._last_step_s, self._last_save_s)
-
-    def _default_callbacks(self) -> list[Callback]:
+    def _default_loggers(self) -> list[Callback]:
         if not self.layout.is_main:
             return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -208,64 +169,91 @@ class Trainer:
             JsonlLogger(self.run_dir / "metrics.jsonl"),
         ]
         if self.cfg.log.tensorboard:
+            import yaml
+
             from ..observe.run_info import code_version
 
             config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
             cbs.append(TensorBoardLogger(self.run_dir / "tensorboard", config_text, code_version()))
         return cbs
 
-    def _emit(self, event: str, *args) -> None:
+    # ---- callbacks ----------------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Every callback (also those appended to ``self.callbacks`` since) gets the trainer; they run in
+        ascending ``order``, then as given."""
+        self.callbacks.sort(key=lambda cb: getattr(cb, "order", Callback.order))
         for cb in self.callbacks:
-            getattr(cb, event)(self.state, *args)
+            if hasattr(cb, "attach"):
+                cb.attach(self)
 
-    def start_info(self) -> dict:
-        lay, cfg = self.layout, self.cfg
-        local = sum(p.numel() for p in self.model.parameters())
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(lay.world)]
-        dist.all_gather(counts, torch.tensor([local]))
-        record = {
-            "world": lay.world,
-            "tp": lay.tp,
-            "sp": cfg.parallel.sp,
-            "cp": lay.cp,
-            "dp": lay.dp,
-            "zero_stage": cfg.parallel.zero_stage,
-            "micro_batch": cfg.train.micro_batch_size,
-            "global_batch": cfg.train.global_batch_size,
-            "grad_accum": self.grad_accum,
-            "params_per_rank": [int(c) for c in counts],
-            "device": str(lay.device),
-            "position": cfg.model.position,
-            "init_from": None if self.init_source is None else str(self.init_source),
-            "attention_backend": self.model.blocks[0].attn.backend,
-        }
-        from ..observe.flops import flops_per_token
-        from ..observe.run_info import code_version
-        from ..observe.step_metrics import device_peak
+    def add_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+        self._attach()
 
-        peak, peak_source = device_peak(cfg, lay.device) if lay.is_main else (None, "")
-        record.update(
-            code_version=code_version(),
-            flops_per_token=flops_per_token(cfg.model)["total"],
-            peak_tflops_per_device=peak / 1e12 if peak else None,
-            peak_source=peak_source,
-        )
-        lines = [
-            f"goat-dist run dir: {self.run_dir}",
-            f"layout: world {lay.world} = TP {lay.tp} x CP {lay.cp} x DP {lay.dp} | SP {cfg.parallel.sp} | "
-            f"ZeRO {cfg.parallel.zero_stage} | micro {cfg.train.micro_batch_size} x accum {self.grad_accum} "
-            f"x DP {lay.dp} = global {cfg.train.global_batch_size} seqs of {cfg.model.seq_len}",
-            f"model: {cfg.model.position} attention ({record['attention_backend']}), "
-            f"params per rank {record['params_per_rank']}",
-            f"MFU basis: {record['flops_per_token'] / 1e9:.3f} GFLOP per token (observe/flops.py), peak "
-            + (f"{peak / 1e12:.2f} TFLOP/s per device" if peak else "unknown")
-            + f" ({peak_source})",
-        ]
-        if self.deadline is not None:
-            lines.append(f"{self.deadline.describe()}: saves and exits 75 before it")
-        return {"record": record, "lines": lines}
+    def emit(self, event: str, *args) -> None:
+        """Send ``event`` (with the run state first) to every callback that defines it."""
+        for cb in self.callbacks:
+            handler = getattr(cb, event, None)
+            if handler is not None:
+                handler(self.state, *args)
 
-    def _batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def request_save(self) -> None:
+        """A checkpoint at the end of the current step (asked by its ``post_backward`` at the latest, else
+        at the next step's end), on every rank: the request travels in the step's collective."""
+        self.loop.save_requested = True
+
+    def request_stop(self, reason: str) -> None:
+        """Save and stop at the end of the current step (as ``request_save``); ``reason`` goes to
+        ``last_exit.json`` and the exit code is 75 (``signals.EXIT_CHECKPOINTED``), as for a signal."""
+        self.loop.stop_requested = self.loop.stop_requested or reason
+
+    def save_checkpoint(self, final: bool = False) -> Path:
+        """Collective: save now (``callbacks.checkpointing``); ``final`` waits until it is published."""
+        return self.checkpointing.save(final)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> RunState:
+        it = self.start_loop()
+        self.emit("on_train_start", start_info(self))
+        try:
+            with self.signals:
+                self._loop(it)
+            self.emit("on_train_end")  # the end-of-run checkpoint first (Checkpointing), then the loggers
+        except BaseException as e:
+            self.emit("on_error", e)
+            raise
+        return self.state
+
+    def start_loop(self):
+        """The iterator of this rank's training micro-batches, from where the run state says."""
+        start = self.state.consumed_samples - self.state.stream_start
+        loader = train_loader(self.cfg, self.layout, self.sources, start_sample=start)
+        self.loop.start(loader, self.state.step)
+        self._attach()
+        return iter(self.loop.loader)
+
+    def _loop(self, it) -> None:
+        cfg, state, loop = self.cfg, self.state, self.loop
+        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        while state.step < cfg.train.max_steps:
+            self.signals.step_started()  # the hang watchdog: stacks of this rank if the step never ends
+            t0 = time.perf_counter()
+            self.emit("pre_step")
+            control = self.train_step(it)
+            state.step += 1
+            state.consumed_samples += cfg.train.global_batch_size
+            state.consumed_tokens += tokens_per_step
+            state.data_skipped += control.skipped
+            loop.last_step_s = time.perf_counter() - t0
+            state.elapsed_s += loop.last_step_s
+            self.emit("post_step", control)  # log, evaluation, pictures, checkpoint: the callbacks' work
+            if control.stop_reason:  # a signal or a request: its checkpoint is published
+                state.stop_requested = control.stop_reason
+                self.emit("on_stop", control.stop_reason)
+                return
+
+    def batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """The next micro-batch of ``it`` on this rank's device (tokens, positions, labels) and as loaded."""
         b = next(it)
         move = lambda t: t.to(self.layout.device, non_blocking=True)  # no host sync per micro-batch
         return move(b["tokens"]), move(b["position_ids"]), move(b["labels"]), b
@@ -275,12 +263,14 @@ class Trainer:
 
         The update is applied, dropped (non-finite under ``train.on_nonfinite=skip``, or no readable label
         in the global batch: ``unreadable``) or refused with an error (``raise``, or too many dropped in a
-        row) depending on what every rank saw; the returned control says which, and holds the DP-mean loss."""
+        row) depending on what every rank saw; the returned control says which, holds the DP-mean loss and
+        the stop or save every rank honours at this step boundary."""
+        loop = self.loop
         losses, fingerprint, skipped, valid = [], 0, 0, 0
-        first_micro = self._micro_seen  # the loader's index of this step's first micro-batch
+        first_micro = loop.micro_seen  # the loader's index of this step's first micro-batch
         for micro in range(self.grad_accum):
-            tokens, positions, labels, raw = self._batch(it)
-            self._micro_seen += 1
+            tokens, positions, labels, raw = self.batch(it)
+            loop.micro_seen += 1
             fingerprint += batch_fingerprint(raw["tokens"])
             skipped += int(raw.get("skipped", 0))
             valid += unreadable.valid_labels(raw)  # host-side, from the loader's batch
@@ -290,6 +280,7 @@ class Trainer:
             losses.append(loss.detach().float())
             if micro < self.grad_accum - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-batch
+        self.emit("post_backward")  # the last moment for a request this step's collective carries
         losses_t = torch.stack(losses)
         bad_loss = torch.isfinite(losses_t).logical_not()
         control = agree(
@@ -300,195 +291,54 @@ class Trainer:
             fingerprint=fingerprint,
             skipped=skipped,
             valid_labels=valid,
-            signal=self.signals.received is not None,
-            save_due=self._minutes_due(),
-            deadline=self._deadline_near(),
+            signal=self.signals.received,
+            save=loop.save_requested,
+            stop=loop.stop_requested,
             tp=self.layout.tp,
             dp=self.layout.dp,
             cp=self.layout.cp,
         )
+        loop.save_requested, loop.stop_requested = False, None  # delivered: every rank has them now
         if control.nonfinite:
             self._on_nonfinite(control, [first_micro + k for k in bad_loss.nonzero().flatten().tolist()])
         else:
-            self._nonfinite_in_row = 0
-            dataset, main = self._train_loader.dataset, self.layout.is_main
+            loop.nonfinite_in_row = 0
+            dataset, main = loop.loader.dataset, self.layout.is_main
             unreadable.count_step(self.state, control, self.cfg.train, dataset, first_micro, main)
+        self.emit("pre_optim_step", control)
         if control.dropped:
             with nonfinite.update_dropped(self.engine):
                 self.engine.step()
         else:
-            if self.state.step == self._first_step + 1:
-                # Gradients and optimizer state coexist here (the peak): measure once, in the second step
-                # (the first creates the optimizer state).
-                self._emit("on_memory", self.measure_memory())
             self.engine.step()
-        if fault_due("nonfinite_weights", self.state.step + 1):
-            with torch.no_grad():
-                next(self.engine.module.parameters()).view(-1)[0] = float("nan")
         return control
 
     def _forward(self, tokens, positions, labels, micro: int) -> torch.Tensor:
         loss = self.engine(tokens, positions, labels)
-        step, rank = self.state.step + 1, self.layout.dp_rank
-        if fault_due("nonfinite", step, micro, rank):
-            loss = loss * float("nan")  # test hook: a NaN in this micro-batch's forward
-        if fault_due("nonfinite_grad", step, micro, rank):  # test hook: finite loss, NaN gradient
-            weight = next(self.engine.module.parameters())
-            loss = loss + (weight.sum() * 0).sqrt()  # value 0, gradient 0 * inf
+        for cb in self.callbacks:  # a callback may change the loss (``post_forward``)
+            hook = getattr(cb, "post_forward", None)
+            changed = hook(self.state, micro, loss) if hook is not None else None
+            loss = loss if changed is None else changed
         return loss
 
     def _on_nonfinite(self, control: StepControl, bad_micro: list[int]) -> None:
         """Raise (naming step, data and parameter), or count the dropped update."""
-        step = self.state.step + 1
-        self._nonfinite_in_row += 1
+        step, loop = self.state.step + 1, self.loop
+        loop.nonfinite_in_row += 1
         mode, limit = self.cfg.train.on_nonfinite, self.cfg.train.max_nonfinite_in_row
-        if mode == "raise" or self._nonfinite_in_row > limit:
-            dataset = self._train_loader.dataset
+        if mode == "raise" or loop.nonfinite_in_row > limit:
+            dataset = loop.loader.dataset
             samples = dataset.global_samples(bad_micro[0]) if bad_micro else []
             reason = (
                 ""
                 if mode == "raise"
-                else f"{self._nonfinite_in_row} non-finite steps in a row (limit {limit})"
+                else f"{loop.nonfinite_in_row} non-finite steps in a row (limit {limit})"
             )
             nonfinite.raise_nonfinite(self.engine, step, control, samples, dataset, reason)
         self.state.nonfinite_skipped += 1
         if self.layout.is_main:
             print(
                 f"step {step}: non-finite {'loss' if control.nonfinite_loss else 'gradient'}, update dropped "
-                f"(train.on_nonfinite=skip; {self._nonfinite_in_row} in a row, "
+                f"(train.on_nonfinite=skip; {loop.nonfinite_in_row} in a row, "
                 f"{self.state.nonfinite_skipped} in this run)"
             )
-
-    def measure_memory(self) -> dict:
-        """Per-rank bytes of parameters, gradients and optimizer state, gathered on every rank."""
-        local = training_state_bytes(self.engine.module, self.engine.optimizer)
-        keys = sorted(local)
-        gathered = [torch.zeros(len(keys), dtype=torch.long) for _ in range(self.layout.world)]
-        dist.all_gather(gathered, torch.tensor([local[k] for k in keys]))
-        return {k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over ``train.eval_batches``; with ``log.attention_stats`` the first batch's
-        forward pass also measures attention per layer (``self.attention_stats``, observe.attention_stats)."""
-        from ..observe.attention_stats import AttentionProbe
-
-        self.engine.eval()
-        it = iter(self.val_batches)
-        total = torch.zeros((), device=self.layout.device)
-        n = self.cfg.train.eval_batches
-        # the probe re-runs attention over whole rows: not under context parallelism
-        stats = self.cfg.log.attention_stats and self.layout.cp == 1
-        probe = AttentionProbe(self.engine.module) if stats else None
-        for i in range(n):
-            tokens, positions, labels, _ = self._batch(it)
-            with self.autocast(), probe if (probe and i == 0) else contextlib.nullcontext():
-                total += self.engine(tokens, positions, labels).float()
-        # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        self.attention_stats = probe.result() if probe else None  # collective over TP
-        self.engine.train()
-        return total.item() / (n * self.layout.replicas)
-
-    def fit(self) -> RunState:
-        cfg, state = self.cfg, self.state
-        self._emit("on_train_start", self.start_info())
-        it = self.start_loop()
-        self.signals.install()
-        try:
-            self._loop(it)
-        finally:
-            self.signals.uninstall()
-        # the end-of-run save depends on what this run saved, not on what the disk holds
-        if cfg.checkpoint.save_at_end and state.stop_requested is None and self._saved_step != state.step:
-            if state.step > self._first_step:
-                self.save_checkpoint(final=True)
-        self._finish_pending(wait=True)  # an asynchronous save still in flight is published before exit
-        self._emit("on_train_end")
-        return state
-
-    def start_loop(self):
-        """The iterator of this rank's training micro-batches, from where the run state says."""
-        start = self.state.consumed_samples - self.state.stream_start
-        self._train_loader = train_loader(self.cfg, self.layout, self.sources, start_sample=start)
-        self._micro_seen = 0
-        self._last_save_time = time.monotonic()
-        # the deadline budgets for the last save this run dir recorded (an earlier attempt's), else estimates
-        self._last_step_s, self._last_save_s = 0.0, self.checkpoints.previous_save_s()
-        self._first_step = self.state.step
-        self._saved_step = None
-        return iter(self._train_loader)
-
-    def _loop(self, it) -> None:
-        import math
-
-        from ..observe.prior_snapshot import prior_snapshot
-        from ..observe.step_metrics import StepMetrics
-
-        cfg, state = self.cfg, self.state
-        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        # weights are replicated (and ZeRO-3-partitioned) over DP x CP: the norm counts each replica once
-        replicas = dataclasses.replace(self.layout, dp=self.layout.replicas, dp_rank=self.layout.replica_rank)
-        observed = StepMetrics(cfg, self.engine.module, replicas, self._train_loader.dataset)
-        window_start, window_steps = time.perf_counter(), 0
-        while state.step < cfg.train.max_steps:
-            self.signals.step_started()  # the hang watchdog: stacks of this rank if the step never ends
-            t0 = time.perf_counter()
-            lr = self.engine.get_lr()[0]  # the rate this step uses
-            control = self.train_step(it)
-            state.step += 1
-            state.consumed_samples += cfg.train.global_batch_size
-            state.consumed_tokens += tokens_per_step
-            state.data_skipped += control.skipped
-            self._last_step_s = time.perf_counter() - t0
-            state.elapsed_s += self._last_step_s
-            window_steps += 1
-            last = state.step == cfg.train.max_steps
-            if state.step % cfg.log.interval == 0 or last or state.step == 1 or control.dropped:
-                seconds = time.perf_counter() - window_start
-                tokens_per_s = tokens_per_step * window_steps / seconds
-                state.metrics = {
-                    "data_fingerprint": control.fingerprint,
-                    "data_skipped": state.data_skipped,
-                    "nonfinite_skipped": state.nonfinite_skipped,
-                    "unreadable_skipped": state.unreadable_skipped,
-                    # NaN: a non-finite loss, or no loss at all (no readable label)
-                    "loss": float("nan") if control.nonfinite_loss or control.unreadable else control.loss,
-                    "lr": lr,
-                    "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                    "tokens_per_s": tokens_per_s,
-                    # params norm, MFU, memory, epoch: one all-gather, at log steps only
-                    **observed.collect(state, seconds / window_steps, tokens_per_s),
-                }
-                self._emit("on_log", state.metrics)
-                window_start, window_steps = time.perf_counter(), 0
-            # evaluation, pictures and saves are not training time: the throughput window skips them
-            paused = time.perf_counter()
-            if cfg.train.eval_interval and (state.step % cfg.train.eval_interval == 0 or last):
-                val_loss = self.evaluate()
-                ppl = math.exp(min(val_loss, 700))
-                extra = getattr(self, "attention_stats", None) or {}
-                self._emit("on_eval", {"val_loss": val_loss, "val_ppl": ppl, **extra})
-            log = cfg.log
-            if log.tensorboard and log.prior_interval and state.step % log.prior_interval == 0:
-                t_prior = time.perf_counter()
-                snapshot = prior_snapshot(self.engine.module, log.prior_layers, log.prior_heads, state.step)
-                if snapshot is not None and self.layout.is_main:
-                    from ..observe.figures import prior_images
-
-                    images = prior_images(snapshot)
-                    self._emit("on_prior", {"images": images, "seconds": time.perf_counter() - t_prior})
-            window_start += time.perf_counter() - paused
-            reason = "signal" if control.signal else "deadline" if control.deadline else None
-            if reason == "signal":
-                reason = self.signals.received or "signal on another rank"
-            interval = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0
-            paused = time.perf_counter()
-            self._finish_pending(wait=False)  # an asynchronous save whose writes are done is published
-            if reason or interval or control.save_due:
-                self.save_checkpoint(final=bool(reason))  # a stop waits until its checkpoint is published
-            window_start += time.perf_counter() - paused
-            kill_after(state.step)
-            if reason:
-                state.stop_requested = reason
-                return

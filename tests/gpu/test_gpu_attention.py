@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from goat_dist.attention import GoatPrior, goat_attention, kernels
-from goat_dist.attention.kernels import attend, document_segments
+from goat_dist import kernels
+from goat_dist.goat import GoatPrior, goat_attention
+from goat_dist.kernels import attend, document_segments
 
 pytestmark = [
     pytest.mark.gpu,

@@ -35,9 +35,9 @@ from safetensors.torch import save_file  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
 from goat_dist.checkpoint import CheckpointManager, universal  # noqa: E402
-from goat_dist.checkpoint.masters import KEYS  # noqa: E402
 from goat_dist.checkpoint.slices import tensor_key  # noqa: E402
 from goat_dist.config import load_config  # noqa: E402
+from goat_dist.engine.masters import KEYS  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
 from goat_dist.trainer.parallelize import parallelize  # noqa: E402
 

@@ -16,9 +16,9 @@ from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from multiproc import one_layer_config  # noqa: E402
 
 from goat_dist import distributed  # noqa: E402
+from goat_dist.engine.zero3 import partition_span  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
 from goat_dist.observe.step_metrics import param_sumsq_share  # noqa: E402
-from goat_dist.parallel.zero3 import partition_span  # noqa: E402
 from goat_dist.trainer.nonfinite import first_nonfinite_weight  # noqa: E402
 from goat_dist.trainer.parallelize import parallelize  # noqa: E402
 

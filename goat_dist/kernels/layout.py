@@ -1,4 +1,12 @@
-"""What FlashAttention-2 needs of a tensor's memory, and the copy that gives it.
+"""Head-dim padding (``pad_to``, and ``pad_v``: the one place v is widened to q's head dim), and what
+FlashAttention-2 needs of a tensor's memory, with the copy that gives it.
+
+Padding: a kernel that wants one head dim for q, k and v (flash-attn 2), or that falls back to a slow
+path for unequal ones (SDPA's math kernel materialises the L x L probabilities), gets v zero-padded to
+q's width; zero lanes of v give zero output lanes and no gradient, and the output is cut back to v's own
+width (``out[..., :dv]``).
+
+Memory:
 
 q, k and v often reach a kernel as views: ``split_grouped_qkv`` cuts them out of the fused projection,
 so v starts ``(group + 1) * content_dim`` elements into each row (212 bytes for the 125M config in bf16)
@@ -14,6 +22,7 @@ FlashAttention-4 copies misaligned inputs itself (``flash_attn/cute/cute_dsl_uti
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FA2_ALIGN_BYTES = 16  # one uint128_t load
 
@@ -38,3 +47,15 @@ def fa2_ready(t: torch.Tensor) -> torch.Tensor:
     if fa2_readable(t):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` zero-padded along its last dim to ``width`` (``x`` itself when it is already that wide)."""
+    return x if x.shape[-1] >= width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def pad_v(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """v widened to q/k's head dim ``width`` for a kernel that wants equal head dims, and v's own width
+    ``dv``: the caller cuts the kernel's output back with ``out[..., :dv]``. A v as wide or wider is
+    returned as it is (the cut then keeps everything)."""
+    return pad_to(v, width), v.shape[-1]

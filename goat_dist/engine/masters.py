@@ -15,10 +15,11 @@ ZeRO-3 (any)         DeepSpeedZeroOptimizer_Stage3    flat fp32 partition per su
                                                       parameter has a (padded) piece on every rank
 ===================  ===============================  ==============================================
 
-Any other optimizer wrapper is an error naming it (no silent fallback to the model's weights). Each layout
-answers three questions: the whole fp32 value and moments of a parameter (collective over DP where they
-are partitioned), which flat range of a parameter this rank holds and where to write it, and how to bring
-the forward weights and Adam's step counter in line after a load.
+Any other optimizer wrapper is an error naming it (no silent fallback to the model's weights), raised as
+the caller's error class (the checkpoint code passes its ``CheckpointError``). Each layout answers three
+questions: the whole fp32 value and moments of a parameter (collective over DP where they are
+partitioned), which flat range of a parameter this rank holds and where to write it, and how to bring the
+forward weights and Adam's step counter in line after a load.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.zero3 import partition_span
-from .errors import CheckpointError
+from .zero3 import partition_span
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KEYS = ("", *MOMENTS)  # "" is the fp32 value
@@ -61,8 +61,8 @@ class MasterLayout:
     name = ""
     replicated = False  # every data-parallel rank holds the whole TP slice (no ZeRO partitioning)
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, error: type[Exception] = RuntimeError):
+        self.engine, self.error = engine, error
         self.opt = engine.optimizer
         self.base = getattr(engine.optimizer, "optimizer", engine.optimizer)
 
@@ -115,8 +115,8 @@ class UnfusedMasters(MasterLayout):
     name = "bf16 ZeRO-0 (FP16_UnfusedOptimizer)"
     replicated = True
 
-    def __init__(self, engine):
-        super().__init__(engine)
+    def __init__(self, engine, error: type[Exception] = RuntimeError):
+        super().__init__(engine, error)
         self.master = {
             id(p): m
             for lp, hp in zip(self.opt.fp16_groups, self.opt.fp32_groups)
@@ -127,7 +127,7 @@ class UnfusedMasters(MasterLayout):
         try:
             return self.master[id(p)]
         except KeyError:
-            raise CheckpointError(
+            raise self.error(
                 f"parameter of shape {tuple(p.shape)} has no fp32 master in {self.name}"
             ) from None
 
@@ -222,8 +222,8 @@ class Zero3(MasterLayout):
         return [Owned(start, numel, dest)]
 
 
-def layout_of(engine) -> MasterLayout:
-    """The master layout of ``engine``'s optimizer; an unknown one is a CheckpointError naming its type."""
+def layout_of(engine, error: type[Exception] = RuntimeError) -> MasterLayout:
+    """The master layout of ``engine``'s optimizer; an unknown one is an ``error`` naming its type."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -236,11 +236,11 @@ def layout_of(engine) -> MasterLayout:
     )
     for cls, layout in kinds:
         if type(opt) is cls:
-            return layout(engine)
+            return layout(engine, error)
     if type(opt).__module__.startswith("torch.optim"):
-        return PlainAdam(engine)
+        return PlainAdam(engine, error)
     known = ", ".join([k.name for _, k in kinds] + [PlainAdam.name])
-    raise CheckpointError(
+    raise error(
         f"universal checkpoint: unknown optimizer layout {type(opt).__module__}.{type(opt).__qualname__} "
         f"(known: {known}); its fp32 master weights and Adam moments cannot be located"
     )

@@ -1,4 +1,5 @@
-"""Why FlashAttention-4 is not usable, in words a user can act on.
+"""The lazy imports of both flash-attn generations, and why FlashAttention-4 is not usable, in words a
+user can act on.
 
 Two packages write ``flash_attn/cute/``: FlashAttention-4 (PyPI ``flash-attn-4``) and the FlashAttention-2
 sdist (``flash-attn`` 2.8.3.post2 ships an older ``flash_attn/cute/interface.py`` whose
@@ -10,6 +11,8 @@ case; the message says so and how to repair the environment.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import os
 import sys
@@ -19,6 +22,47 @@ COINSTALL_FIX = (
     "&& pip install 'goat-dist[gpu]' (FlashAttention-4); FlashAttention-2 ('goat-dist[flash2]') in another "
     "environment"
 )
+
+
+@functools.cache
+def _flash_attn():
+    """The ``flash_attn`` module, or None. Decided by importing: a kernel-less install can have a spec.
+
+    Cached; tests put a CPU stand-in in ``sys.modules["flash_attn"]`` and clear this cache
+    (``tests/flash_standin.py``), so the flash paths run without CUDA.
+    """
+    try:
+        import flash_attn
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    needed = ("flash_attn_func", "flash_attn_varlen_func")
+    return flash_attn if all(hasattr(flash_attn, name) for name in needed) else None
+
+
+_FLASH4_IMPORT_ERROR: list[str] = []  # why flash_attn.cute is not usable (for the messages)
+
+
+@functools.cache
+def _flash_attn_cute():
+    """FlashAttention-4's ``flash_attn.cute.interface`` module, or None (cached, like ``_flash_attn``;
+    ``tests/flash4_standin.py`` installs a CPU stand-in there). The PyPI package is ``flash-attn-4``."""
+    _FLASH4_IMPORT_ERROR.clear()
+    try:
+        interface = importlib.import_module("flash_attn.cute.interface")
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        _FLASH4_IMPORT_ERROR.append(import_failure(exc))
+        return None
+    problem = flash4_api_problem(interface)  # e.g. FlashAttention-2's older flash_attn/cute/
+    if problem:
+        _FLASH4_IMPORT_ERROR.append(problem)
+        return None
+    return interface
+
+
+def flash4_unusable() -> str:
+    """Why FA4 is not used, for the messages (the import's own error when there was one)."""
+    default = "flash_attn.cute (PyPI flash-attn-4) does not import"
+    return _FLASH4_IMPORT_ERROR[0] if _FLASH4_IMPORT_ERROR else default
 
 
 def flash4_api_problem(interface) -> str | None:

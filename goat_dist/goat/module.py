@@ -1,4 +1,5 @@
-"""``GoatSelfAttention``: a standalone, batch-first GOAT self-attention layer.
+"""``goat_attention`` (content + prior in one kernel call) and ``GoatSelfAttention``: a standalone,
+batch-first GOAT self-attention layer.
 
 A drop-in for users of the reference ``goat.attention.GoatAttention`` (see ``from_reference``), built on
 the same prior and kernels as the distributed model.
@@ -9,9 +10,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .goat import goat_attention, grouped_qkv_width, split_grouped_qkv
-from .kernels import resolve_backend
+from ..kernels import attend, resolve_backend
+from .fold import goat_kernel_inputs, grouped_qkv_width, split_grouped_qkv
 from .prior import GoatPrior
+
+
+def goat_attention(
+    q_content: torch.Tensor,
+    k_content: torch.Tensor,
+    v: torch.Tensor,
+    prior: GoatPrior,
+    position_ids: torch.Tensor,
+    *,
+    causal: bool,
+    backend: str,
+    segments: torch.Tensor | None = None,
+    origin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``softmax_j(q_c,i . k_c,j / sqrt(d_c) + K_ij) v_j`` for every head.
+
+    q_content (B, L, H, d_c), k_content (B, L, H_kv, d_c), v (B, L, H_kv, D_v); ``position_ids`` (B, L)
+    are absolute positions (packed documents, offsets, context-parallel chunks); ``segments`` (B, L),
+    from ``document_segments``, keep attention inside packed documents; ``origin`` (B, 1) is the
+    per-sequence constant the recency is measured from (default: from ``position_ids``; a
+    context-parallel rank passes the whole row's, see ``sequence_origin``).
+
+    ``eager`` adds the explicit log-prior matrix; the other backends append ``prior.num_lanes`` lanes to
+    q and k, so one unmodified kernel call computes content + prior with no bias tensor. The lanes are
+    built for the kernel's input dtype (q's), exact in bf16/fp16 up to one rounding of per-head spectral
+    coefficients. The prior is not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and
+    the lanes carry ``sqrt(d_c)``. Usually ``d_c + num_lanes == D_v`` (flash-attn 2 wants equal head
+    dims); a module converted from the reference keeps the reference's ``d_c`` and has wider q/k.
+    """
+    q, k, scale, bias = goat_kernel_inputs(
+        q_content, k_content, prior, position_ids, causal=causal, backend=backend, origin=origin
+    )
+    return attend(q, k, v, causal=causal, scale=scale, backend=backend, segments=segments, bias=bias)
 
 
 class GoatSelfAttention(nn.Module):

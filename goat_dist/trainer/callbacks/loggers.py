@@ -1,9 +1,7 @@
-"""Callbacks keep the loop short: progress lines, metrics.jsonl and TensorBoard live here.
+"""The loggers: progress lines, metrics.jsonl and TensorBoard (output events only, main rank only).
 
-A callback sees the ``RunState``; the trainer calls ``on_train_start``, ``on_log`` (every
-``log.interval`` steps and the last), ``on_eval``, ``on_prior`` (every ``log.prior_interval`` steps of a
-GOAT run) and ``on_train_end``. Only the main rank gets loggers. metrics.jsonl and TensorBoard write the
-same values at the same steps; ``observe.tags`` maps one's keys to the other's tags.
+metrics.jsonl and TensorBoard write the same values at the same steps; ``observe.tags`` maps one's keys
+to the other's tags.
 """
 
 from __future__ import annotations
@@ -14,19 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
-from ..observe import tags
-from ..observe.step_metrics import mfu_text
-from .state import RunState
+from ...observe import tags
+from ...observe.step_metrics import mfu_text
+from .base import Callback
 
-
-class Callback:
-    def on_train_start(self, state: RunState, info: dict) -> None: ...
-    def on_log(self, state: RunState, metrics: dict) -> None: ...
-    def on_eval(self, state: RunState, metrics: dict) -> None: ...
-    def on_memory(self, state: RunState, per_rank: dict) -> None: ...
-    def on_checkpoint(self, state: RunState, info: dict) -> None: ...
-    def on_prior(self, state: RunState, pictures: dict) -> None: ...
-    def on_train_end(self, state: RunState) -> None: ...
+LOGGER_ORDER = 50  # after the trainer's jobs, whose output they write
 
 
 def _fmt_time(seconds: float) -> str:
@@ -37,6 +27,8 @@ def _fmt_time(seconds: float) -> str:
 
 class ConsoleLogger(Callback):
     """One line per log step: step, loss, lr, grad norm, throughput, elapsed / remaining time."""
+
+    order = LOGGER_ORDER
 
     def __init__(self, max_steps: int, stream=sys.stdout):
         self.max_steps, self.stream = max_steps, stream
@@ -83,6 +75,8 @@ class ConsoleLogger(Callback):
 class JsonlLogger(Callback):
     """Appends one JSON object per logged step (and per eval) to ``metrics.jsonl``."""
 
+    order = LOGGER_ORDER
+
     def __init__(self, path: Path):
         self.path = Path(path)
 
@@ -119,6 +113,8 @@ class JsonlLogger(Callback):
 class TensorBoardLogger(Callback):
     """``<run_dir>/tensorboard/``: scalars under the tags of ``observe.tags`` (train/, perf/, mem/, data/,
     val/, attn/), the GOAT prior's pictures (prior/), and the resolved config and code version as text."""
+
+    order = LOGGER_ORDER
 
     def __init__(self, log_dir: Path, config_text: str = "", code_version: str = ""):
         from torch.utils.tensorboard import SummaryWriter

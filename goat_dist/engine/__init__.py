@@ -1,0 +1,57 @@
+"""The training engine: the one package that knows DeepSpeed's internals.
+
+Everything else in goat_dist uses DeepSpeed's public engine API (``engine(...)``, ``backward``, ``step``,
+``module``, ``optimizer.param_groups``, ``lr_scheduler``, ``get_lr``, ``get_global_grad_norm``) or this
+package; whatever depends on DeepSpeed's private attributes, optimizer classes or behaviour lives here, so
+that a DeepSpeed upgrade is checked here and in ``tests/unit/test_engine_contract.py`` (one test per
+assumption). The version range tested is pinned in pyproject.toml.
+
+* ``build``: the DeepSpeed config, megatron's process groups as DeepSpeed's ``mpu``, ``build_engine``.
+* ``patches``: each change of DeepSpeed's behaviour (the bf16 cast, ZeRO-0's init step and grad norm).
+* ``masters``: where each parameter's fp32 master and Adam moments live, per precision x ZeRO stage.
+* ``steps``: non-finite gradients, a dropped update, the gradient norm, the engine's step counters.
+* ``zero3``: ZeRO-3 partitions (real elements vs padding), gathering, the fp32 forward mirror.
+* ``memory``: bytes of parameters, gradients and optimizer state a rank holds.
+
+It may import torch, deepspeed, megatron-core, ``goat_dist.config`` and ``goat_dist.distributed``; never
+the trainer, checkpoint or evaluation packages (they build on it). Exports resolve lazily, so importing
+the package loads neither DeepSpeed nor megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "build_engine": "build",
+    "deepspeed_config": "build",
+    "MegatronMPU": "build",
+    "PRIOR_FP32_STAGES": "patches",
+    "KEYS": "masters",
+    "MOMENTS": "masters",
+    "MasterLayout": "masters",
+    "Owned": "masters",
+    "layout_of": "masters",
+    "local_grads_nonfinite": "steps",
+    "first_nonfinite_gradient": "steps",
+    "update_dropped": "steps",
+    "global_grad_norm": "steps",
+    "step_counters": "steps",
+    "set_step_counters": "steps",
+    "full_shape": "zero3",
+    "gathered": "zero3",
+    "is_partitioned": "zero3",
+    "local_values": "zero3",
+    "partition_span": "zero3",
+    "partition_values": "zero3",
+    "training_state_bytes": "memory",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

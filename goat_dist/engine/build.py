@@ -1,0 +1,120 @@
+"""Building the DeepSpeed engine: its configuration, its view of megatron's process groups, and the
+patches it needs (``patches.py``) applied where they belong.
+
+The model arrives made of megatron-core tensor-parallel layers with its optimizer and LR schedule built
+(``trainer/optim.py``); this wraps them in DeepSpeed's engine, ZeRO over the data-parallel x
+context-parallel group (``MegatronMPU``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron.core import parallel_state
+from torch import nn
+
+from ..config import Config
+from . import patches
+from .zero3 import install_fp32_mirror
+
+
+def _replica_rank() -> int:
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _replica_world_size() -> int:
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def _replica_group():
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+class MegatronMPU:
+    """The model-parallel interface DeepSpeed expects, answered by megatron-core's parallel_state.
+
+    DeepSpeed's "data parallel" is every replica of a TP slice: DP x CP. Context-parallel ranks hold
+    identical weights (CP splits activations only) and their gradients are partial sums of one loss, so
+    gradient averaging and ZeRO's partitions span DP x CP (at CP=1 this is megatron's DP group)."""
+
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_data_parallel_rank = staticmethod(_replica_rank)
+    get_data_parallel_world_size = staticmethod(_replica_world_size)
+    get_data_parallel_group = staticmethod(_replica_group)
+
+
+def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
+    """DeepSpeed's configuration. ZeRO-1/2 reduce gradient buckets while the backward pass goes on
+    (``overlap_comm``, which DeepSpeed enables by itself for ZeRO-3 only) into one contiguous buffer
+    (``contiguous_gradients``). Communication buckets are sized from the model (as Hugging Face's "auto"
+    does) instead of DeepSpeed's fixed 5e8-element defaults, which allocate gigabytes of buffers even
+    for a small model."""
+    h2 = cfg.model.hidden_size**2
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": cfg.train.grad_clip,
+        "zero_optimization": {
+            "stage": cfg.parallel.zero_stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": h2,
+            "allgather_bucket_size": h2,
+            "stage3_prefetch_bucket_size": int(0.9 * h2),
+            "stage3_param_persistence_threshold": 10 * cfg.model.hidden_size,
+        },
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(
+    model: nn.Module,
+    cfg: Config,
+    grad_accum: int,
+    *,
+    optimizer,
+    scheduler,
+    fp32_params: list[nn.Parameter] = (),
+    fp32_attr: str = "",
+    while_building=None,
+):
+    """The DeepSpeed engine wrapping ``model`` (which it moves to the right device), ``optimizer`` and
+    ``scheduler``.
+
+    ``fp32_params``: parameters whose forward must compute from fp32 values in bf16 mode (GOAT's prior):
+    kept fp32 through the cast at ZeRO 0-2; at ZeRO-3 their fp32 masters are mirrored into
+    ``getattr(p, fp32_attr)`` before each forward (``zero3.install_fp32_mirror``).
+    ``while_building``: a context entered around DeepSpeed's initialisation (the TP gradient sum defers
+    the gradient hooks DeepSpeed registers meanwhile)."""
+    import deepspeed
+
+    patches.skip_shm_build()
+    bf16, stage = cfg.train.precision == "bf16", cfg.parallel.zero_stage
+    fp32_params = list(fp32_params)
+    keep = fp32_params if bf16 and stage in patches.PRIOR_FP32_STAGES else []
+    with patches.keep_fp32_through_cast(keep), while_building or contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, grad_accum),
+            mpu=MegatronMPU(),
+            dist_init_required=False,
+        )
+    if bf16 and stage not in patches.PRIOR_FP32_STAGES and fp32_params:
+        install_fp32_mirror(engine, fp32_params, fp32_attr)
+    if stage == 0 and not bf16:
+        patches.record_grad_norm(engine)
+    if stage == 0 and bf16:
+        patches.undo_unfused_init_step(engine)
+    if stage == 0 and bf16 and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        patches.mark_tp_gradients(model)
+    return engine

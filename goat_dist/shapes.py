@@ -1,0 +1,173 @@
+"""The model's shapes, from its config alone: the one place their arithmetic is written.
+
+Padded vocabulary, FFN width, GOAT's prior lanes and the q/k content width they leave, the fused q/k/v
+width, and every parameter's name and TP-local shape (``param_inventory``) in ``model.GPT``'s own
+``named_parameters`` order. The model builds its layers from these numbers, and the planner, the doctor,
+the FLOP count and the HF export size their figures with them, so none of those needs megatron or torch
+to know how large the model is (``tests/unit/test_shapes.py`` checks them against a built model).
+
+Standard library and ``goat_dist.config`` only: importable where no torch is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+KEY_BIAS_LANES = 3  # lanes of the split per-key value u(j): attention.exact.SPLIT_PARTS
+SINK_HIDDEN = 4  # attention.prior.SinkMLP's hidden width
+
+
+def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
+    """Round the vocabulary up to ``multiple`` (and, only if needed, to ``multiple * tp``) so every TP
+    rank holds an equal slice; the same size for every TP size whenever possible, so checkpoints and
+    initial weights do not depend on the layout."""
+    padded = math.ceil(vocab_size / multiple) * multiple
+    if padded % tp:
+        padded = math.ceil(vocab_size / (multiple * tp)) * multiple * tp
+    return padded
+
+
+def ffn_size(cfg: ModelConfig) -> int:
+    """The MLP's hidden width: ``model.ffn_hidden_size``, else 4h (GELU) or 8h/3 rounded up to 64 (SwiGLU)."""
+    if cfg.ffn_hidden_size:
+        return cfg.ffn_hidden_size
+    if cfg.activation == "gelu":
+        return 4 * cfg.hidden_size
+    return 64 * math.ceil(8 * cfg.hidden_size / 3 / 64)
+
+
+def prior_lane_count(pos_rank: int, key_bias: bool) -> int:
+    """Lanes the prior takes from each q/k head: 2R spectral, plus the split per-key value u(j)."""
+    return 2 * pos_rank + (KEY_BIAS_LANES if key_bias else 0)
+
+
+def head_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(heads, kv heads, head dim, q/k content dims): GOAT's prior takes 2R+3 lanes of each q/k head."""
+    heads, kv = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
+    head_dim = cfg.hidden_size // heads
+    content = head_dim
+    if cfg.position == "goat":
+        content = head_dim - prior_lane_count(cfg.goat.pos_rank, cfg.goat.key_bias)
+    return heads, kv, head_dim, content
+
+
+def grouped_qkv_width(num_kv_heads: int, group: int, content_dim: int, head_dim: int) -> int:
+    """Columns of the fused q/k/v projection: per KV head, ``group`` queries and one key of
+    ``content_dim`` each, and one value of the full ``head_dim``."""
+    return num_kv_heads * ((group + 1) * content_dim + head_dim)
+
+
+def qkv_width(cfg: ModelConfig) -> int:
+    """Columns of the fused q/k/v projection (TP = 1): per KV group, q and k content dims and a full v."""
+    heads, kv, head_dim, content = head_dims(cfg)
+    return grouped_qkv_width(kv, heads // kv, content, head_dim)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a TP rank holds it: its local shape, optimizer group and whether TP splits it."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: str  # decay | no_decay | prior (trainer.optim.param_groups)
+    tp_split: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _norm(prefix: str, cfg: ModelConfig) -> list[ParamSpec]:
+    out = [ParamSpec(f"{prefix}.weight", (cfg.hidden_size,), "no_decay", False)]
+    if cfg.norm == "layernorm" and cfg.bias:
+        out.append(ParamSpec(f"{prefix}.bias", (cfg.hidden_size,), "no_decay", False))
+    return out
+
+
+def _linear(
+    prefix: str, out_features: int, in_features: int, bias: bool, bias_split: bool
+) -> list[ParamSpec]:
+    out = [ParamSpec(f"{prefix}.weight", (out_features, in_features), "decay", True)]
+    if bias:
+        out.append(ParamSpec(f"{prefix}.bias", (out_features,), "no_decay", bias_split))
+    return out
+
+
+def _prior(prefix: str, cfg: ModelConfig, kv: int) -> list[ParamSpec]:
+    """GOAT's prior (``attention.prior.GoatPrior``) over ``kv`` KV heads, in its registration order."""
+    g, out = cfg.goat, []
+    if g.pos_rank > 0:  # pos_rank 0 / abs_rank 0: the prior has no K_rel / no sink MLP at all
+        out += [ParamSpec(f"{prefix}.lambda_sym", (kv, g.pos_rank), "prior", True),
+                ParamSpec(f"{prefix}.lambda_asym", (kv, g.pos_rank), "prior", True)]  # fmt: skip
+    if g.key_bias and g.abs_rank > 0:
+        out += [ParamSpec(f"{prefix}.sink_gain", (kv,), "prior", True)]
+    if g.key_bias:
+        out += [
+            ParamSpec(f"{prefix}.sink_bump", (kv,), "prior", True),
+            ParamSpec(f"{prefix}.recency_slope_raw", (kv,), "prior", True),
+        ]
+    if g.key_bias and g.abs_rank > 0:
+        features = 2 * g.abs_rank + 2
+        out += [
+            ParamSpec(f"{prefix}.sink_mlp.fc1.weight", (SINK_HIDDEN, features), "prior", False),
+            ParamSpec(f"{prefix}.sink_mlp.fc1.bias", (SINK_HIDDEN,), "prior", False),
+            ParamSpec(f"{prefix}.sink_mlp.fc2.weight", (1, SINK_HIDDEN), "prior", False),
+            ParamSpec(f"{prefix}.sink_mlp.fc2.bias", (1,), "prior", False),
+        ]
+    return out
+
+
+def _inventory(cfg: ModelConfig, vocab_tp: int, split: int) -> list[ParamSpec]:
+    """The parameters with the vocabulary padded for TP = ``vocab_tp`` and TP-split dims divided by
+    ``split`` (``vocab_tp`` for one rank's shapes, 1 for the whole model's)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    _, kv, head_dim, _ = head_dims(cfg)
+    vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, vocab_tp)
+    ffn = ffn_size(cfg)
+    fc1 = 2 * ffn if cfg.activation == "swiglu" else ffn
+    out = [ParamSpec("embedding.weight", (vocab // split, h), "decay", True)]
+    if cfg.position == "learned":
+        out.append(ParamSpec("pos_embedding.weight", (cfg.seq_len, h), "decay", False))
+    for i in range(cfg.num_layers):
+        b = f"blocks.{i}"
+        out += _norm(f"{b}.attn_norm", cfg)
+        if cfg.position == "goat":
+            out += _prior(f"{b}.attn.prior", cfg, kv // split)
+        out += _linear(f"{b}.attn.qkv", qkv_width(cfg) // split, h, cfg.bias, True)
+        out += _linear(f"{b}.attn.proj", h, heads * head_dim // split, cfg.bias, False)
+        out += _norm(f"{b}.mlp_norm", cfg)
+        out += _linear(f"{b}.mlp.fc1", fc1 // split, h, cfg.bias, True)
+        out += _linear(f"{b}.mlp.fc2", h, ffn // split, cfg.bias, False)
+    out += _norm("final_norm", cfg)
+    if not cfg.tie_embeddings:
+        out.append(ParamSpec("output.weight", (vocab // split, h), "decay", True))
+    return out
+
+
+def param_inventory(cfg: ModelConfig, tp: int = 1) -> list[ParamSpec]:
+    """Every parameter of ``model.GPT`` on one TP rank (all TP ranks hold the same shapes), in the
+    model's own ``named_parameters`` order."""
+    return _inventory(cfg, tp, tp)
+
+
+def total_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """The model's parameter count, embeddings and vocabulary padding included: every TP-split parameter
+    whole, every replicated one once, with the vocabulary padded as for ``tp`` ranks (TP = 1 by default)."""
+    return sum(p.numel for p in _inventory(cfg, tp, 1))
+
+
+def block_params(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block (TP = 1 shapes), the GOAT prior included."""
+    one_block = _inventory(dataclasses.replace(cfg, num_layers=1), 1, 1)
+    return sum(p.numel for p in one_block if p.name.startswith("blocks."))
+
+
+def non_embedding_params(cfg: ModelConfig) -> int:
+    """N: all blocks plus the final norm; the token and position embeddings and the output matrix
+    excluded."""
+    embeddings = ("embedding.weight", "pos_embedding.weight", "output.weight")
+    return sum(p.numel for p in _inventory(cfg, 1, 1) if p.name not in embeddings)

@@ -1,0 +1,126 @@
+"""Checkpoint policy and assembly: when the run saves, what a checkpoint holds besides the engine's state.
+
+A checkpoint is saved at a step boundary when
+
+* ``checkpoint.interval`` steps divide the step;
+* ``checkpoint.interval_minutes`` passed since the last save (rank 0's clock: a save request);
+* the deadline is near (``deadline.py``, rank 0's clock: a stop request, reason ``deadline``);
+* a stop signal arrived, or a callback asked for a save or a stop (``Trainer.request_save/stop``);
+
+and at the end of the run (``checkpoint.save_at_end``, unless this run already saved its last step).
+Clock-based requests are made on rank 0 only, in ``post_backward``: they travel in that step's one
+collective, so every rank saves at the same boundary. A stop's checkpoint, and the end-of-run one, are
+published before the loop goes on; with ``checkpoint.async`` the others are published at a later step
+boundary once every rank's background writes are done (``CheckpointManager.poll``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from .. import nonfinite
+from ..deadline import Deadline
+from .base import Callback
+
+
+class Checkpointing(Callback):
+    order = 40  # after logging, evaluation and pictures at a step boundary; before the loggers end
+
+    def __init__(self, trainer):
+        self.attach(trainer)
+        cfg = trainer.cfg
+        self.policy = cfg.checkpoint
+        self.save_at_end = cfg.checkpoint.save_at_end
+        self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
+        self.last_save_time = time.monotonic()
+        # the deadline budgets for the last save this run dir recorded (an earlier attempt's), else estimates
+        self.last_save_s = trainer.checkpoints.previous_save_s()
+        self.saved_step: int | None = None  # the step this run saved last
+
+    # ---- policy -----------------------------------------------------------------------------------
+    def on_train_start(self, state, info):
+        self.last_save_time = time.monotonic()
+
+    def post_backward(self, state):
+        """Rank 0's clock: a time-interval save, or the deadline's save and stop."""
+        trainer = self.trainer
+        if not trainer.layout.is_main:
+            return
+        minutes = self.policy.interval_minutes
+        if minutes and (time.monotonic() - self.last_save_time) / 60 >= minutes:
+            trainer.request_save()
+        if self.deadline is not None and self.deadline.due(trainer.loop.last_step_s, self.last_save_s):
+            trainer.request_stop("deadline")
+
+    def post_step(self, state, control):
+        interval = self.policy.interval and state.step % self.policy.interval == 0
+        self.finish_pending(wait=False)  # an asynchronous save whose writes are done is published
+        if control.stop_reason or interval or control.save:
+            self.save(final=bool(control.stop_reason))  # a stop waits until its checkpoint is published
+
+    def on_train_end(self, state):
+        # the end-of-run save depends on what this run saved, not on what the disk holds
+        first = self.trainer.loop.first_step
+        if self.save_at_end and state.stop_requested is None and self.saved_step != state.step:
+            if state.step > first:
+                self.save(final=True)
+        self.finish_pending(wait=True)  # an asynchronous save still in flight is published before exit
+
+    # ---- saving -----------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        """What ``trainer_state.json`` holds: the step, the run state, the data contract and the layout."""
+        t = self.trainer
+        return {
+            "step": t.state.step,
+            "init_from": None if t.init_source is None else str(t.init_source),
+            "run_state": t.state.state_dict(),
+            "data_contract": t.contract,
+            **t.layout_record(),
+        }
+
+    def save(self, final: bool = False) -> Path:
+        """Collective. With ``checkpoint.async`` the state is staged in host memory and written in the
+        background (published later by ``finish_pending``); ``final`` (a stop or the end of the run) waits
+        until it is published. A pending save is published before the next one starts."""
+        t = self.trainer
+        self.finish_pending(wait=True)
+        bad = nonfinite.first_nonfinite_weight(t.engine.module)
+        flag = torch.tensor([0 if bad is None else 1])
+        dist.all_reduce(flag)
+        if flag.item():
+            raise nonfinite.NonFiniteError(
+                f"step {t.state.step}: refusing to save a checkpoint from non-finite weights "
+                f"({bad or 'on another rank'}); the previous checkpoint stays the latest"
+            )
+        record = self.trainer_state()
+        config_text = yaml.safe_dump(t.cfg.to_dict(), sort_keys=False)
+        self.saved_step = t.state.step
+        if self.policy.async_save:
+            path = t.checkpoints.save_async(t.engine, record, config_text)
+            self.last_save_time = time.monotonic()
+            if final:
+                self.finish_pending(wait=True)
+            return path
+        path = t.checkpoints.save(t.engine, record, config_text)
+        self.last_save_time = time.monotonic()
+        self.last_save_s = record["last_save_s"]
+        t.emit("on_checkpoint", {"path": str(path), "save_s": record["last_save_s"]})
+        return path
+
+    def finish_pending(self, wait: bool) -> None:
+        """Collective while an asynchronous save is pending (at every step boundary until it is published):
+        publish it once every rank's writes are done, or, with ``wait``, wait for them now."""
+        checkpoints = self.trainer.checkpoints
+        pending = checkpoints.pending
+        if pending is None:
+            return
+        path = checkpoints.wait() if wait else checkpoints.poll()
+        if path is not None:
+            self.last_save_s = checkpoints.last_save_s  # the deadline's estimate: staging to publish
+            info = {"path": str(path), "save_s": checkpoints.last_save_s, "pause_s": pending.paused_s}
+            self.trainer.emit("on_checkpoint", info)

@@ -1,0 +1,30 @@
+"""Pictures of the GOAT prior (``observe.prior_snapshot``) every ``log.prior_interval`` steps, for
+TensorBoard (``on_prior``). Collective over the TP group; pictures drawn on the main rank."""
+
+from __future__ import annotations
+
+import time
+
+from .base import Callback
+
+
+class PriorPictures(Callback):
+    order = 30
+
+    def __init__(self, trainer):
+        self.attach(trainer)
+        self.log = trainer.cfg.log
+
+    def post_step(self, state, control):
+        from ...observe.prior_snapshot import prior_snapshot
+
+        log, t = self.log, self.trainer
+        if not (log.tensorboard and log.prior_interval and state.step % log.prior_interval == 0):
+            return
+        started = time.perf_counter()
+        snapshot = prior_snapshot(t.engine.module, log.prior_layers, log.prior_heads, state.step)
+        if snapshot is not None and t.layout.is_main:
+            from ...observe.figures import prior_images
+
+            images = prior_images(snapshot)
+            t.emit("on_prior", {"images": images, "seconds": time.perf_counter() - started})

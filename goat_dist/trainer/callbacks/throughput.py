@@ -1,0 +1,66 @@
+"""The logged step's metrics (``on_log``: loss, learning rate, gradient norm, throughput, MFU, memory,
+epoch) every ``log.interval`` steps, at the first and the last step and at every dropped update.
+
+Throughput is measured over a window of steps since the last log; evaluation, pictures and saves are not
+training time: whatever the other callbacks do after this one at a step boundary (``order``) is left out
+of the window, up to the next step's start."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .base import Callback
+
+
+class Throughput(Callback):
+    order = 10  # first at a step boundary: the log line comes before evaluation and checkpoints
+
+    def __init__(self, trainer):
+        self.attach(trainer)
+        cfg = trainer.cfg
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.observed = None
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.paused_at: float | None = None  # when this step boundary's other work began
+        self.lr = 0.0
+
+    def on_train_start(self, state, info):
+        from ...observe.step_metrics import StepMetrics
+
+        t = self.trainer
+        # weights are replicated (and ZeRO-3-partitioned) over DP x CP: the norm counts each replica once
+        replicas = dataclasses.replace(t.layout, dp=t.layout.replicas, dp_rank=t.layout.replica_rank)
+        self.observed = StepMetrics(t.cfg, t.engine.module, replicas, t.loop.loader.dataset)
+        self.window_start, self.window_steps, self.paused_at = time.perf_counter(), 0, None
+
+    def pre_step(self, state):
+        if self.paused_at is not None:  # the last step boundary's evaluation, pictures, saves
+            self.window_start += time.perf_counter() - self.paused_at
+            self.paused_at = None
+        self.lr = self.trainer.engine.get_lr()[0]  # the rate this step uses
+
+    def post_step(self, state, control):
+        t = self.trainer
+        self.window_steps += 1
+        every = t.cfg.log.interval
+        last = state.step == t.cfg.train.max_steps
+        if state.step % every == 0 or last or state.step == 1 or control.dropped:
+            seconds = time.perf_counter() - self.window_start
+            tokens_per_s = self.tokens_per_step * self.window_steps / seconds
+            state.metrics = {
+                "data_fingerprint": control.fingerprint,
+                "data_skipped": state.data_skipped,
+                "nonfinite_skipped": state.nonfinite_skipped,
+                "unreadable_skipped": state.unreadable_skipped,
+                # NaN: a non-finite loss, or no loss at all (no readable label)
+                "loss": float("nan") if control.nonfinite_loss or control.unreadable else control.loss,
+                "lr": self.lr,
+                "grad_norm": float(t.engine.get_global_grad_norm() or 0.0),
+                "tokens_per_s": tokens_per_s,
+                # params norm, MFU, memory, epoch: one all-gather, at log steps only
+                **self.observed.collect(state, seconds / self.window_steps, tokens_per_s),
+            }
+            t.emit("on_log", state.metrics)
+            self.window_start, self.window_steps = time.perf_counter(), 0
+        self.paused_at = time.perf_counter()

@@ -1,0 +1,1 @@
+"""Test-side helpers: worlds of ranks (``distributed``), injected faults (``faults``)."""
