@@ -57,7 +57,7 @@ def worker(args) -> None:
     from goat_dist.checkpoint import CheckpointManager
     from goat_dist.config import load_config
     from goat_dist.model import GPT
-    from goat_dist.trainer.parallelize import parallelize
+    from goat_dist.parallel.parallelize import parallelize
 
     layout = distributed.init(tp=1)
     cfg = load_config(

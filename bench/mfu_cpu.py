@@ -3,7 +3,7 @@
 Peak: the best FLOP/s of large square fp32 and bf16 matmuls (``n x n``, several sizes, best of timed
 batches; ``goat_dist.observe.peak.measure_matmul_flops``) at this process's thread count. Achieved: a
 training step of a goat-dist GPT of about 100M parameters (GOAT attention, SDPA, fp32, TP=1 in a
-single-process world) with the project's AdamW (``trainer.optim.build_optimizer``: torch's fused kernel);
+single-process world) with the project's AdamW (``optim.build_optimizer``: torch's fused kernel);
 its FLOPs are the project's own count
 (``goat_dist.observe.flops.flops_per_token`` x tokens: the model's work, the optimizer excluded), divided by
 the median wall time of a whole step (zero_grad, forward, backward, AdamW step) and, as a second figure, of
@@ -31,7 +31,7 @@ from goat_dist.config import ModelConfig, TrainConfig  # noqa: E402
 from goat_dist.model.gpt import GPT  # noqa: E402
 from goat_dist.observe.flops import flops_per_token, non_embedding_params  # noqa: E402
 from goat_dist.observe.peak import measure_matmul_flops  # noqa: E402
-from goat_dist.trainer.optim import build_optimizer  # noqa: E402
+from goat_dist.optim import build_optimizer  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, sizes: list[int], seconds: float) -> tuple[float, int]:

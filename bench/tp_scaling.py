@@ -63,7 +63,7 @@ def worker(args) -> None:
     from goat_dist import distributed
     from goat_dist.config import load_config
     from goat_dist.model import GPT
-    from goat_dist.trainer.parallelize import parallelize
+    from goat_dist.parallel.parallelize import parallelize
 
     cfg = load_config(
         None,

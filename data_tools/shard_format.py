@@ -51,6 +51,21 @@ class ShardError(RuntimeError):
 # ---------------------------------------------------------------- names and encoding
 
 
+def is_url(path: str) -> bool:
+    """True for `scheme:...` shard locations (pipe:, http:, s3:, ...) that webdataset's gopen opens."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(path).scheme
+    return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
+
+
+def locate(path: str, name: str) -> str:
+    """Location of file `name` of the data set at `path` (directory or URL prefix)."""
+    if is_url(path):
+        return path.replace("{}", name) if "{}" in path else path.rstrip("/") + "/" + name
+    return str(Path(path).expanduser().resolve() / name)
+
+
 def shard_name(prefix: str, index: int) -> str:
     """File name of shard `index` of a split whose shards start with `prefix`."""
     return f"{prefix}-{index:06d}.tar"
@@ -281,6 +296,26 @@ def parse_manifest(data: bytes | str, path: object) -> dict:
         if not isinstance(entries, list) or not all(isinstance(e, dict) and "name" in e for e in entries):
             raise ValueError(f"dataset manifest {path}: split {split!r} must be a list of shard entries")
     return manifest
+
+
+def manifest_vocab_size(path: str) -> int | None:
+    """``vocab_size`` of the manifest of the data set at ``path`` (directory or URL prefix); None when it
+    can't be read here (the data stage names the problem when a run reads it)."""
+    try:
+        local = Path(path).expanduser()
+        if (local / MANIFEST_NAME).is_file():
+            return read_manifest(local)["vocab_size"]
+        if not is_url(path):
+            return None
+        from webdataset.gopen import (
+            gopen,  # a URL prefix only (webdataset, unlike this module, imports torch)
+        )
+
+        url = locate(path, MANIFEST_NAME)
+        with gopen(url, "rb") as f:
+            return parse_manifest(f.read(), url)["vocab_size"]
+    except Exception:  # unreadable here (a URL that can't be opened, a bad manifest)
+        return None
 
 
 def split_paths(dataset_dir: str | os.PathLike, manifest: dict, split: str) -> list[str]:

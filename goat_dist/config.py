@@ -5,7 +5,7 @@ validated ``Config``; unknown keys and wrong types raise ``ConfigError`` naming 
 
 ``model.vocab_size`` left out (or ``null`` / ``auto``) is the data set's: the largest ``vocab_size`` of
 the manifests of ``data.source`` / ``data.sources`` (the model pads it as any vocabulary, see
-``model.gpt.padded_vocab_size``). The builtin corpus, a generated task or a data set without a readable
+``shapes.padded_vocab_size``). The builtin corpus, a generated task or a data set without a readable
 manifest keep DEFAULT_VOCAB_SIZE (the builtin corpus trains its tokenizer to that size).
 """
 
@@ -292,26 +292,6 @@ def _vocab_given(update: dict, given: bool) -> bool:
     return True
 
 
-def _manifest_vocab_size(path: str) -> int | None:
-    """``vocab_size`` of the manifest of the data set at ``path`` (directory or URL prefix); None when it
-    can't be read (the data stage names the problem when the run reads it)."""
-    from data_tools.shard_format import MANIFEST_NAME, read_manifest
-
-    local = Path(path).expanduser()
-    try:
-        if (local / MANIFEST_NAME).is_file():
-            return read_manifest(local)["vocab_size"]
-        from .data.shards import is_url  # only here: the data package imports torch
-
-        if not is_url(path):
-            return None
-        from .data.sources import load_manifest
-
-        return load_manifest(path)["vocab_size"]
-    except (OSError, ValueError, RuntimeError):  # RuntimeError: a shard URL that can't be opened
-        return None
-
-
 def data_vocab_size(cfg: Config) -> int | None:
     """The vocabulary of the configured data set(s), from their manifests; None for the builtin corpus, a
     generated task (``data.synthetic``) and data sets without a readable manifest."""
@@ -324,7 +304,9 @@ def data_vocab_size(cfg: Config) -> int | None:
         return None
     else:
         paths = [d.source]
-    sizes = [n for n in (_manifest_vocab_size(str(p)) for p in paths) if isinstance(n, int)]
+    from data_tools.shard_format import manifest_vocab_size
+
+    sizes = [n for n in (manifest_vocab_size(str(p)) for p in paths) if isinstance(n, int)]
     return max(sizes) if sizes else None
 
 
@@ -414,7 +396,7 @@ def validate(cfg: Config) -> None:
     if m.num_heads % kv:
         raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
     head_dim = m.hidden_size // m.num_heads
-    from .shapes import prior_lane_count  # shapes imports this module
+    from .shapes import prior_lane_count
 
     lanes = prior_lane_count(m.goat.pos_rank, m.goat.key_bias)
     if m.position == "goat" and head_dim <= lanes:

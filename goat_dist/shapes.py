@@ -6,7 +6,8 @@ width, and every parameter's name and TP-local shape (``param_inventory``) in ``
 the FLOP count and the HF export size their figures with them, so none of those needs megatron or torch
 to know how large the model is (``tests/unit/test_shapes.py`` checks them against a built model).
 
-Standard library and ``goat_dist.config`` only: importable where no torch is.
+The standard library only (``goat_dist.config``'s types for annotations): importable where no torch is,
+and by ``config`` itself.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import ModelConfig
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
-KEY_BIAS_LANES = 3  # lanes of the split per-key value u(j): attention.exact.SPLIT_PARTS
-SINK_HIDDEN = 4  # attention.prior.SinkMLP's hidden width
+KEY_BIAS_LANES = 3  # lanes of the split per-key value u(j): goat.exact.SPLIT_PARTS
+SINK_HIDDEN = 4  # goat.prior.SinkMLP's hidden width
 
 
 def padded_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
@@ -73,7 +76,7 @@ class ParamSpec:
 
     name: str
     shape: tuple[int, ...]
-    group: str  # decay | no_decay | prior (trainer.optim.param_groups)
+    group: str  # decay | no_decay | prior (optim.param_groups)
     tp_split: bool
 
     @property
@@ -98,7 +101,7 @@ def _linear(
 
 
 def _prior(prefix: str, cfg: ModelConfig, kv: int) -> list[ParamSpec]:
-    """GOAT's prior (``attention.prior.GoatPrior``) over ``kv`` KV heads, in its registration order."""
+    """GOAT's prior (``goat.prior.GoatPrior``) over ``kv`` KV heads, in its registration order."""
     g, out = cfg.goat, []
     if g.pos_rank > 0:  # pos_rank 0 / abs_rank 0: the prior has no K_rel / no sink MLP at all
         out += [ParamSpec(f"{prefix}.lambda_sym", (kv, g.pos_rank), "prior", True),

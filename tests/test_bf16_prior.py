@@ -10,7 +10,7 @@ import torch
 from multiproc import one_layer_config
 
 from goat_dist.model import GPT
-from goat_dist.trainer.parallelize import parallelize
+from goat_dist.parallel.parallelize import parallelize
 
 
 def config(stage: int):
@@ -48,7 +48,7 @@ def test_prior_is_fp32_after_parallelize_and_training(stage, world1):
 
 def test_zero3_bf16_prior_computes_from_its_fp32_masters(world1):
     """ZeRO-3 keeps every partition in one buffer of one dtype, so the prior's parameters are bf16 there;
-    the forward pass computes from their fp32 masters (zero3_prior.py), exactly, after parallelize and
+    the forward pass computes from their fp32 masters (engine/zero3.py), exactly, after parallelize and
     after training steps, and the lanes equal those of an fp32 prior holding the master values."""
     from deepspeed.utils import safe_get_full_fp32_param
 

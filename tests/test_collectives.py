@@ -148,7 +148,7 @@ def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, 
 
     from goat_dist.engine.build import deepspeed_config
     from goat_dist.engine.patches import PRIOR_FP32_STAGES
-    from goat_dist.trainer.precision import autocast_context, resolve_precision
+    from goat_dist.precision import autocast_context, resolve_precision
     from goat_dist.trainer.trainer import Trainer
 
     cuda = torch.device("cuda", 0)

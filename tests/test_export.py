@@ -16,7 +16,7 @@ from goat_dist.checkpoint.export import export, inspect
 from goat_dist.config import load_config
 from goat_dist.inference import load_exported
 from goat_dist.model import GPT
-from goat_dist.trainer.parallelize import parallelize
+from goat_dist.parallel.parallelize import parallelize
 
 
 def test_export_load_logits_match_training_model(world1, tmp_path):

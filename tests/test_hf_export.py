@@ -22,7 +22,7 @@ from goat_dist.checkpoint import CheckpointManager  # noqa: E402
 from goat_dist.checkpoint.export import export  # noqa: E402
 from goat_dist.checkpoint.manager import CheckpointError  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
-from goat_dist.trainer.parallelize import parallelize  # noqa: E402
+from goat_dist.parallel.parallelize import parallelize  # noqa: E402
 
 VARIANTS = {
     # vocab 300 pads to 384: the export cuts the padding; untied head, GQA, biases, a non-default theta

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from goat_dist.config import TrainConfig
-from goat_dist.trainer.optim import build_optimizer, param_groups
+from goat_dist.optim import build_optimizer, param_groups
 
 
 def small_model(device: str = "cpu") -> torch.nn.Module:

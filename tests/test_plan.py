@@ -154,7 +154,7 @@ def test_materialize_says_cp_is_not_built_yet():
 
 
 def test_context_parallelism_partitions_zero_over_dp_x_cp_and_costs_a_kv_exchange():
-    """ZeRO partitions over every replica of a TP slice (DP x CP, trainer/parallelize.py), so CP=2 x DP=4
+    """ZeRO partitions over every replica of a TP slice (DP x CP, parallel/parallelize.py), so CP=2 x DP=4
     holds the state of DP=8; CP halves each rank's sequence (activations) and adds the K/V exchange."""
     path = ROOT / "configs/models/goat_1.3b.yaml"
     h100 = gpu("h100-80gb")

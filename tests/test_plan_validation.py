@@ -4,7 +4,7 @@ activation bytes within 20 %, and context parallelism's whole-row K/V within 5 %
 
 Measured, not derived (``tests/workers/plan_memory.py``, one launch of 2 processes on gloo): the state is
 every tensor storage the engine holds for parameters, gradients and optimizer
-(``trainer.memory.training_state_bytes``), taken during the accumulation of a step of 3 micro-batches:
+(``engine.memory.training_state_bytes``), taken during the accumulation of a step of 3 micro-batches:
 after each non-final backward and, where DeepSpeed runs its gradient-partition epilogue inside the
 backward (ZeRO-2, ZeRO-3), on entering it. The accumulation boundary, where the gradients have been
 reduced, would see less: ZeRO-1 holds every parameter's whole gradient until then. Activations are the

@@ -19,7 +19,7 @@ from goat_dist.checkpoint.names import STALE, STATE
 def engine(world1):
     from goat_dist.config import load_config
     from goat_dist.model import GPT
-    from goat_dist.trainer.parallelize import parallelize
+    from goat_dist.parallel.parallelize import parallelize
 
     cfg = load_config(
         None,

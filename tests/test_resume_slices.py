@@ -124,7 +124,7 @@ def _cfg(precision: str, stage: int, position: str):
 
 def _build(cfg, seed: int):
     from goat_dist.model import GPT
-    from goat_dist.trainer.parallelize import parallelize
+    from goat_dist.parallel.parallelize import parallelize
 
     torch.manual_seed(seed)
     model = GPT(cfg.model)

@@ -7,7 +7,7 @@ tensor with the single-process gradients. Marked slow: `pytest -m "not slow"` sk
 bf16 (DeepSpeed's bf16 mode + autocast): a subset of the layouts against the single-process bf16 run, loss
 AND the logged gradient norm. Measured on the 2-core CPU machine (10 steps): loss within 5e-5 relative
 (DP2 ZeRO-0/1/2, TP2, TP2 x DP2 ZeRO-2), gradient norm within 0.5 %; the tolerances below leave 4x
-headroom. Before the fixes in trainer/parallelize.py, bf16 ZeRO-1/2 differed from bf16 ZeRO-0 by 6e-3
+headroom. Before the fixes in parallel/parallelize.py, bf16 ZeRO-1/2 differed from bf16 ZeRO-0 by 6e-3
 (DeepSpeed's extra Adam step at ZeRO-0) and the TP2 gradient norm was 0.90 of the TP1 norm.
 """
 
@@ -81,7 +81,7 @@ BF16_GRAD_NORM_RTOL = 2e-2
 BF16_LAYOUTS = [
     pytest.param("dp2-zero0", 2, ["parallel.zero_stage=0"], id="dp2-zero0"),
     pytest.param("dp2-zero3", 2, ["parallel.zero_stage=3"], id="dp2-zero3"),
-    # bf16 + ZeRO-0 + TP: DeepSpeed's unfused optimizer computes the gradient norm (parallelize.py)
+    # bf16 + ZeRO-0 + TP: DeepSpeed's unfused optimizer computes the gradient norm (engine/patches.py)
     pytest.param("tp2", 2, ["parallel.tp=2"], id="tp2"),
     pytest.param("tp2xdp2-zero2", 4, ["parallel.tp=2", "parallel.zero_stage=2"], id="tp2xdp2-zero2"),
 ]

@@ -9,7 +9,7 @@ from multiproc import one_layer_config
 
 from goat_dist.goat.prior import FP32_FORWARD
 from goat_dist.model import GPT
-from goat_dist.trainer.parallelize import parallelize
+from goat_dist.parallel.parallelize import parallelize
 
 
 def test_zero3_prior_gathers_only_after_the_masters_changed(world1):

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from data_tools.shard_format import TOKENIZER_NAME
 
-from ..trainer.optim import is_prior
+from ..optim import is_prior
 from . import universal
 from .manager import MANIFEST, STATE, CheckpointError, verify
 

@@ -6,12 +6,12 @@ decides which window of which source feeds which sample, `reader` reads token ra
 the configured data set(s) and builds this rank's training and validation loaders; `contract` is the
 data contract a checkpoint records (what ``consumed_samples`` depends on) and its resume check.
 
-Imports: torch, numpy, webdataset, the torch-free `data_tools`, and `goat_dist.config` /
-`goat_dist.distributed` / `goat_dist.atomic`; nothing of the model.
-
 Everything offline (tokenizer training, corpus preparation, inspection, the builtin stdlib data
 set, the shard format and writer) lives in the torch-free `data_tools` package; the names below
 that come from there are the ones the trainer and inference call at run time.
+
+May import: torch, numpy, webdataset, the torch-free ``data_tools``, ``goat_dist.atomic``,
+``goat_dist.config`` and ``goat_dist.distributed`` (the rank layout); never the model or the trainer.
 """
 
 from data_tools.builtin import builtin_dataset_dir, prepare_builtin_dataset

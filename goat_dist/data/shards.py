@@ -10,18 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from typing import IO
-from urllib.parse import urlparse
 
 import numpy as np
 from webdataset.gopen import gopen
 
-from data_tools.shard_format import ShardError, iter_tar_documents
-
-
-def is_url(path: str) -> bool:
-    """True for `scheme:...` shard locations (pipe:, http:, s3:, ...) that webdataset's gopen opens."""
-    scheme = urlparse(path).scheme
-    return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
+from data_tools.shard_format import ShardError, is_url, iter_tar_documents
 
 
 def open_shard(path: str) -> IO[bytes]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_tools.shard_format import MANIFEST_NAME, parse_manifest, read_manifest
+from data_tools.shard_format import MANIFEST_NAME, locate, parse_manifest, read_manifest
 from goat_dist.data.shards import is_url, open_shard
 
 
@@ -37,13 +37,6 @@ class SourceSplit:
     @property
     def total_tokens(self) -> int:
         return sum(self.n_tokens)
-
-
-def locate(path: str, name: str) -> str:
-    """Location of file `name` of the data set at `path` (directory or URL prefix)."""
-    if is_url(path):
-        return path.replace("{}", name) if "{}" in path else path.rstrip("/") + "/" + name
-    return str(Path(path).expanduser().resolve() / name)
 
 
 def load_manifest(path: str) -> dict:

@@ -13,9 +13,9 @@ assumption). The version range tested is pinned in pyproject.toml.
 * ``zero3``: ZeRO-3 partitions (real elements vs padding), gathering, the fp32 forward mirror.
 * ``memory``: bytes of parameters, gradients and optimizer state a rank holds.
 
-It may import torch, deepspeed, megatron-core, ``goat_dist.config`` and ``goat_dist.distributed``; never
-the trainer, checkpoint or evaluation packages (they build on it). Exports resolve lazily, so importing
-the package loads neither DeepSpeed nor megatron.
+May import: torch, deepspeed, megatron-core, ``goat_dist.config`` and ``goat_dist.distributed``; never the
+trainer, checkpoint or evaluation packages (they build on it). Exports resolve lazily, so importing the
+package loads neither DeepSpeed nor megatron.
 """
 
 from __future__ import annotations

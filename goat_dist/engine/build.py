@@ -2,7 +2,7 @@
 patches it needs (``patches.py``) applied where they belong.
 
 The model arrives made of megatron-core tensor-parallel layers with its optimizer and LR schedule built
-(``trainer/optim.py``); this wraps them in DeepSpeed's engine, ZeRO over the data-parallel x
+(``goat_dist/optim.py``); this wraps them in DeepSpeed's engine, ZeRO over the data-parallel x
 context-parallel group (``MegatronMPU``).
 """
 

@@ -12,7 +12,7 @@ GOAT's prior in bf16 mode: DeepSpeed's bf16 mode casts every parameter's ``.data
 the prior fp32 under ``model.to(bfloat16)``. ZeRO-0 (FP16_UnfusedOptimizer: per-parameter fp32 clones) and
 ZeRO-1/2 (one flat buffer per parameter group, its own fp32 partition, overflow check and norm per group)
 accept a group of fp32 parameters next to bf16 groups, so the prior is excluded from the cast and has its
-own group (``trainer/optim.param_groups``); its gradients travel in DeepSpeed's bf16 communication buckets
+own group (``optim.param_groups``); its gradients travel in DeepSpeed's bf16 communication buckets
 like all others. ZeRO-3 does not: it moves the partitions of all groups into ONE contiguous buffer
 (``defragment`` in deepspeed/runtime/zero/utils.py asserts a single dtype; stage3.py
 ``_create_fp16_partitions_with_defragmentation``). Under ZeRO-3 + bf16 the prior's parameters are

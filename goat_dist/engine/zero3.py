@@ -13,7 +13,7 @@ bits of mantissa: a recency slope or a small lambda rounded to it is off by up t
 smaller than that spacing would never show in the forward pass. Before each forward whose masters changed,
 the mirror gathers those parameters' fp32 master partitions over the partition group (one all-gather of a
 few thousand numbers, on the device) and attaches each parameter's full fp32 value as an attribute the
-model reads (``attention.prior.forward_value``); the gradient still flows to the bf16 parameter, which
+model reads (``goat.prior.forward_value``); the gradient still flows to the bf16 parameter, which
 DeepSpeed reduces and applies to the master as usual.
 """
 

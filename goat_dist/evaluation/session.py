@@ -11,12 +11,10 @@ class Session:
     """Process groups, the loaded model on its device and the autocast context of one evaluation."""
 
     def __init__(self, checkpoint: str, tp: int | None, backend: str | None, precision: str):
-        import contextlib
-
         import torch
 
         from .. import distributed
-        from ..observe.peak import training_dtype
+        from ..precision import autocast_for
         from .checkpoint import build_model, read_checkpoint
 
         cfg, read = read_checkpoint(checkpoint, backend)
@@ -29,12 +27,7 @@ class Session:
         self.loaded = build_model(cfg, read)
         self.model = self.loaded.model.to(self.layout.device)
         self.device = self.layout.device
-        bf16 = training_dtype(precision, self.device) == "bf16"
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
-            if bf16
-            else contextlib.nullcontext
-        )
+        self.autocast = autocast_for(precision, self.device)
         torch.set_grad_enabled(False)
 
     def describe(self) -> dict:

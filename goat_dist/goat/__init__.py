@@ -7,7 +7,7 @@ bf16/fp16 lanes; the per-sequence recency origin), ``fold`` (the lanes appended 
 fused q/k/v layout), ``module`` (``goat_attention`` and the standalone layer ``GoatSelfAttention``),
 ``reference`` (``from_reference``: the authors' ``goat.attention.GoatAttention`` converted).
 
-Imports: torch and ``goat_dist.shapes`` (torch-free shape arithmetic: lane count, fused q/k/v width);
+May import: torch and ``goat_dist.shapes`` (torch-free shape arithmetic: lane count, fused q/k/v width);
 ``goat_dist.kernels`` for the standalone layer's kernel call (``module``) only.
 """
 

@@ -99,7 +99,7 @@ def forward_value(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A prior parameter's value in ``dtype``, carrying ``p``'s gradient.
 
     Where the training engine keeps the parameter itself in bf16 and its exact fp32 value elsewhere
-    (ZeRO-3, whose partitions all live in one buffer of one dtype; ``trainer/zero3_prior.py``), it
+    (ZeRO-3, whose partitions all live in one buffer of one dtype; ``engine/zero3.py``), it
     attaches that value as ``p.fp32_forward``: the prior then computes from it exactly, as under ZeRO 0-2,
     and the gradient still flows to ``p`` (``value + (exact - value).detach()``; the difference between
     an fp32 number and its bf16 rounding is exact in fp32, so the sum is the fp32 value to the bit)."""

@@ -13,7 +13,7 @@ and why they fail), ``layout`` (head-dim padding, FA2's memory alignment), ``mas
 segments, varlen offsets, ALiBi's bias), ``chunks`` (a context-parallel rank's query chunks against
 their key prefixes).
 
-Imports: torch and ``goat_dist.config`` (the backend names) only: no model, no GOAT maths, no process
+May import: torch and ``goat_dist.config`` (the backend names) only: no model, no GOAT maths, no process
 groups.
 """
 

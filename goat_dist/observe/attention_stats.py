@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from ..attention import split_grouped_qkv
+from ..goat import split_grouped_qkv
 
 WINDOW = 64
 KEY_CHUNK = 256

@@ -1,10 +1,11 @@
 """How the model runs in parallel: ``model_parallel.apply`` (sequence parallelism's scatter/gather, the
 context-parallel split, activation checkpointing, set up on a built model), context parallelism itself
 (``context.py``: the split of whole rows, the differentiable K/V gather, attention of the local chunks),
-and ZeRO-3's partition arithmetic (``zero3.py``).
+and ``parallelize`` (the one step: the TP gradient sum, then the engine).
 
-Imports: torch, megatron-core, ``goat_dist.kernels`` and ``goat_dist.goat``; never ``goat_dist.model``
-(the model imports this package).
+May import: torch, megatron-core, ``goat_dist.config``, ``goat_dist.kernels``, ``goat_dist.goat``,
+``goat_dist.optim`` and ``goat_dist.engine`` (``parallelize`` builds the engine last); never
+``goat_dist.model`` (the model imports this package).
 """
 
 from .context import (

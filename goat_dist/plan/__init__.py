@@ -1,7 +1,12 @@
 """Plan a run before spending GPU hours: per-GPU memory (parameters, gradients, optimizer state per ZeRO
 stage, activations), the largest micro-batch that fits, estimated step time and MFU, what a checkpoint
 costs, and a dry run that builds the real model and optimizer of a large world on one CPU box. See
-``docs/planner.md``."""
+``docs/planner.md``.
+
+May import: torch (the dry run builds on the meta device), ``goat_dist.config``, ``goat_dist.shapes``,
+``goat_dist.precision``, ``goat_dist.distributed``, ``goat_dist.optim``, ``goat_dist.model`` and
+``goat_dist.observe`` (FLOPs); never the trainer or the engine's internals.
+"""
 
 from .checkpoint import checkpoint_cost
 from .memory import activation_bytes, param_inventory, state_bytes, total_params, transient_bytes

@@ -15,7 +15,6 @@ the per-rank count, and the Adam moments the optimizer really created.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -49,39 +48,19 @@ def _teardown() -> None:
     dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _slopes_on_cpu():
-    """ALiBi's slopes for a head count that is not a power of two are built with ``.tolist()``, which a
-    meta tensor cannot answer: compute them on the CPU (a few floats) while the rest stays on meta."""
-    from ..attention import prior
-    from ..model import attention
-
-    original = prior.alibi_slopes
-
-    def on_cpu(n_heads: int) -> torch.Tensor:
-        with torch.device("cpu"):
-            return original(n_heads)
-
-    prior.alibi_slopes = attention.alibi_slopes = on_cpu
-    try:
-        yield
-    finally:
-        prior.alibi_slopes = attention.alibi_slopes = original
-
-
 def build_rank(cfg: Config, rank: int, world: int):
     """(model, optimizer) of global ``rank`` on the meta device; the optimizer's state created."""
     from megatron.core import parallel_state
 
     from ..model import GPT
-    from ..trainer.optim import build_optimizer
+    from ..optim import build_optimizer
 
     _init_fake_world(rank, world, cfg.parallel.tp)
     try:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_rank = parallel_state.get_data_parallel_rank()
         dp = parallel_state.get_data_parallel_world_size()
-        with torch.device("meta"), _slopes_on_cpu():
+        with torch.device("meta"):
             model = GPT(cfg.model, sequence_parallel=cfg.parallel.sp,
                         activation_checkpointing=cfg.train.activation_checkpointing)  # fmt: skip
             for p in model.parameters():

@@ -36,7 +36,7 @@ __all__ = [
 
 
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------
-# The engine's options that size its buffers, as ``trainer/parallelize.deepspeed_config`` sets them (a test
+# The engine's options that size its buffers, as ``engine.build.deepspeed_config`` sets them (a test
 # compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, contiguous
 # gradients and overlapped communication on at every stage (overlap double-buffers the ZeRO-1/2 reduce
 # bucket; ZeRO-0 has none). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
@@ -129,8 +129,8 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
     inv = param_inventory(m, cfg.parallel.tp)
     n = sum(p.numel for p in inv)
     prior = sum(p.numel for p in inv if p.group == "prior")
-    # the prior's fp32 working copy (parallelize.py); under ZeRO-3 + bf16, its gathered fp32 values
-    prior_extra = (4 - w) * prior if stage < 3 else (4 * prior if bf16 else 0)  # (zero3_prior.py)
+    # the prior's fp32 working copy (engine/patches.py); under ZeRO-3 + bf16, its gathered fp32 values
+    prior_extra = (4 - w) * prior if stage < 3 else (4 * prior if bf16 else 0)  # (engine/zero3.py)
     groups = _groups(inv)
     opts = zero_options(cfg)
     bucket_elements = opts["reduce_bucket_size"]
@@ -157,7 +157,7 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
             waiting = w * largest if largest > bucket_elements else 0
             buffers = bucket + copies * grads + waiting
     else:
-        persistent = 10 * m.hidden_size  # ZeRO-3's persistence threshold (parallelize.deepspeed_config)
+        persistent = 10 * m.hidden_size  # ZeRO-3's persistence threshold (engine.build.deepspeed_config)
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
         params = w * (part + kept) + prior_extra

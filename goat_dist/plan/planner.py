@@ -182,7 +182,7 @@ def make_plan(
         cfg = _with(cfg, precision=resolve_precision("auto", "cuda"))
     layout = layout_of(cfg, world)
     dp = layout["dp"]
-    replicas = dp * layout["cp"]  # ZeRO partitions over DP x CP (trainer/parallelize.py)
+    replicas = dp * layout["cp"]  # ZeRO partitions over DP x CP (parallel/parallelize.py)
     mem = memory_at(cfg, replicas, cfg.train.micro_batch_size)
     stages = {}
     for stage in range(4):

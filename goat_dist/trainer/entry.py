@@ -17,9 +17,10 @@ from .. import distributed
 from ..atomic import atomic_write_text
 from ..checkpoint import CheckpointError
 from ..config import Config, ConfigError
+from ..data import contract as data_contract
+from ..data.batches import check_source
 from ..distributed import LayoutError
-from . import data_contract, nonfinite
-from .batches import check_source
+from . import nonfinite
 from .deadline import DeadlineError
 from .signals import EXIT_CHECKPOINTED
 from .state import RunState

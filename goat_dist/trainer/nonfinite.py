@@ -13,17 +13,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine.steps import first_nonfinite_gradient, local_grads_nonfinite, update_dropped
+from ..engine.steps import first_nonfinite_gradient
 from ..engine.zero3 import local_values
 
 __all__ = [
     "NonFiniteError",
     "describe_sample",
-    "first_nonfinite_gradient",
     "first_nonfinite_weight",
-    "local_grads_nonfinite",  # from goat_dist.engine.steps
     "raise_nonfinite",
-    "update_dropped",  # from goat_dist.engine.steps
 ]
 
 

@@ -15,9 +15,13 @@ import torch
 from .. import distributed
 from ..checkpoint import CheckpointManager, extension
 from ..config import Config, save_config
+from ..data import contract as data_contract
+from ..data.batches import data_sources, train_loader, val_loader
+from ..engine.steps import local_grads_nonfinite, update_dropped
 from ..model import GPT
-from . import data_contract, nonfinite, unreadable
-from .batches import data_sources, train_loader, val_loader
+from ..parallel.parallelize import parallelize
+from ..precision import autocast_context, resolve_precision
+from . import nonfinite, unreadable
 from .callbacks import (
     Callback,
     Checkpointing,
@@ -32,8 +36,6 @@ from .callbacks import (
     start_info,
 )
 from .control import StepControl, agree, batch_fingerprint
-from .parallelize import parallelize
-from .precision import autocast_context, resolve_precision
 from .signals import HANG_FRACTION, StopSignals
 from .state import LoopState, RunState
 
@@ -287,7 +289,7 @@ class Trainer:
             loss_sum=torch.nan_to_num(losses_t, nan=0.0, posinf=0.0, neginf=0.0).sum(),
             micro_batches=self.grad_accum,
             nonfinite_loss=bad_loss.sum(),
-            nonfinite_grad=nonfinite.local_grads_nonfinite(self.engine),
+            nonfinite_grad=local_grads_nonfinite(self.engine),
             fingerprint=fingerprint,
             skipped=skipped,
             valid_labels=valid,
@@ -307,7 +309,7 @@ class Trainer:
             unreadable.count_step(self.state, control, self.cfg.train, dataset, first_micro, main)
         self.emit("pre_optim_step", control)
         if control.dropped:
-            with nonfinite.update_dropped(self.engine):
+            with update_dropped(self.engine):
                 self.engine.step()
         else:
             self.engine.step()

@@ -4,7 +4,7 @@ Why: under ``data.on_error=skip`` what cannot be read of a corrupt shard reaches
 labelled IGNORE_INDEX. A step whose whole global batch (every data-parallel rank, every micro-batch) is
 such data has loss 0 and gradient 0, yet an optimizer step would still apply weight decay and advance the
 LR schedule: training on nothing. Its update is dropped like a non-finite one
-(``nonfinite.update_dropped``: no optimizer and no LR-schedule step), counted
+(``engine.steps.update_dropped``: no optimizer and no LR-schedule step), counted
 (``RunState.unreadable_skipped``, logged as ``unreadable_skipped``), and a run of more than
 ``train.max_nonfinite_in_row`` such steps stops with an error naming the step and its data.
 

@@ -265,7 +265,7 @@ def test_deepspeed_hooks_the_gradients_through_post_accumulate_hooks(world1):
     while the engine is built; the TP gradient sum defers exactly those (``TPGradSum.defer_hooks``)."""
     import torch.distributed as dist
 
-    from goat_dist.trainer.parallelize import TPGradSum
+    from goat_dist.parallel.parallelize import TPGradSum
 
     sums = []
 

@@ -53,7 +53,7 @@ def grads(out: Path, tp: int, cp: int) -> None:
     from tp_grads import full_gradient, tiny_batch, tiny_config
 
     from goat_dist.model import GPT
-    from goat_dist.trainer.parallelize import add_tp_grad_allreduce
+    from goat_dist.parallel.parallelize import add_tp_grad_allreduce
 
     relayout(tp, cp)
     cp_group = parallel_state.get_context_parallel_group()

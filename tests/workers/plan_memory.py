@@ -6,7 +6,7 @@ The ``dp`` cases run on DP=2, then the world is rebuilt as CP=2 (DP=1) for the `
 builds its engine, takes one full step (so that the optimizer state exists), then runs the micro-batches
 of a second step one by one, as the trainer does, and measures:
 
-* ``mid_state``: the most state bytes (``trainer.memory.training_state_bytes``) seen during the
+* ``mid_state``: the most state bytes (``engine.memory.training_state_bytes``) seen during the
   accumulation, right after the backward of each non-final micro-batch and, where DeepSpeed runs its
   gradient-partition epilogue inside that backward (ZeRO 2-3), on entering it: there ZeRO-2's freshly
   reduced partition sits next to the accumulated one and the reduce bucket, and ZeRO-3 still holds the
@@ -64,7 +64,7 @@ def watch_epilogue(engine, seen: list, active: list) -> None:
     """Measure the state on entering DeepSpeed's gradient-partition epilogue while ``active`` is set: the
     moment a ZeRO-2 rank holds the accumulated partition, this micro-batch's and the bucket at once, and a
     ZeRO-3 rank the last parameter gathered whole with its unreduced gradient."""
-    from goat_dist.trainer.memory import training_state_bytes
+    from goat_dist.engine.memory import training_state_bytes
 
     opt = engine.optimizer
     original = getattr(opt, "independent_gradient_partition_epilogue", None)
@@ -81,9 +81,9 @@ def watch_epilogue(engine, seen: list, active: list) -> None:
 
 def measure_case(overrides: list[str], layout) -> dict:
     from goat_dist.config import load_config
+    from goat_dist.engine.memory import training_state_bytes
     from goat_dist.model import GPT
-    from goat_dist.trainer.memory import training_state_bytes
-    from goat_dist.trainer.parallelize import parallelize
+    from goat_dist.parallel.parallelize import parallelize
     from goat_dist.trainer.trainer import autocast_context, gradient_accumulation
 
     cfg = load_config(None, overrides)

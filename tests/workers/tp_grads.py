@@ -13,7 +13,7 @@ from goat_dist import distributed  # noqa: E402
 from goat_dist.checkpoint.universal import merge, split_meta  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
-from goat_dist.trainer.parallelize import add_tp_grad_allreduce  # noqa: E402
+from goat_dist.parallel.parallelize import add_tp_grad_allreduce  # noqa: E402
 
 TP_ALL_REDUCES = "_tp_all_reduces"  # the saved count of the backward's TP-sum collectives
 

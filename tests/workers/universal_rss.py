@@ -39,7 +39,7 @@ from goat_dist.checkpoint.slices import tensor_key  # noqa: E402
 from goat_dist.config import load_config  # noqa: E402
 from goat_dist.engine.masters import KEYS  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
-from goat_dist.trainer.parallelize import parallelize  # noqa: E402
+from goat_dist.parallel.parallelize import parallelize  # noqa: E402
 
 
 def _status_kib(field: str) -> int:

@@ -1,6 +1,6 @@
 """torchrun worker (DP=2, ZeRO-3, bf16): DeepSpeed pads partitions with uninitialised memory. NaN written
 into every partition's padding (forward weights and fp32 masters) must not be seen by the non-finite-weight
-check, the weight norm or the prior's fp32 forward values (zero3_prior.py), while an Inf in a real element
+check, the weight norm or the prior's fp32 forward values (engine/zero3.py), while an Inf in a real element
 must be. Writes one JSON per rank."""
 
 import json
@@ -19,8 +19,8 @@ from goat_dist import distributed  # noqa: E402
 from goat_dist.engine.zero3 import partition_span  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
 from goat_dist.observe.step_metrics import param_sumsq_share  # noqa: E402
+from goat_dist.parallel.parallelize import parallelize  # noqa: E402
 from goat_dist.trainer.nonfinite import first_nonfinite_weight  # noqa: E402
-from goat_dist.trainer.parallelize import parallelize  # noqa: E402
 
 
 def main(out: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..memory import training_state_bytes
+from ...engine.memory import training_state_bytes
 from .base import Callback
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..config import Config
 from ..engine.build import build_engine
 from ..goat.prior import FP32_FORWARD
-from .optim import build_optimizer, is_prior
+from ..optim import build_optimizer, is_prior
 
 __all__ = [
     "TPGradSum",

@@ -25,7 +25,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     The prior has a group of its own because each group must hold one dtype: DeepSpeed flattens a group
     into one buffer (ZeRO-1/2) and in bf16 mode the prior stays fp32 while everything else is bf16
-    (``parallelize.keep_prior_fp32``). Empty groups are dropped (models without a GOAT prior)."""
+    (``engine.patches.keep_fp32_through_cast``). Empty groups are dropped (models without a GOAT prior)."""
     decay, keep, prior = [], [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
