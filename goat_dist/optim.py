@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from .config import TrainConfig
 
 
 def is_prior(name: str) -> bool:

@@ -20,7 +20,7 @@ from data_tools.shard_format import read_manifest, split_shard_paths
 from goat_dist.config import DEFAULT_VOCAB_SIZE, ConfigError, load_config
 from goat_dist.data import iter_documents
 
-TINY_YAML = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"  # sets model.vocab_size: 4096
+TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # sets model.vocab_size: 4096
 LINES = [
     "The goat climbs the hill and looks at the valley below.",
     "Attention priors tell a model where to look before it has learned anything.",

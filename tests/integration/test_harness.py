@@ -24,7 +24,7 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 # goat_python_choice: 8 completions of Python source, the builtin corpus's language; its data_files path is
 # relative to the repository root, where `run` starts the command. ITEMS: (context, choices, gold index)
-TASKS = Path(__file__).parent / "data" / "harness"
+TASKS = Path(__file__).resolve().parents[1] / "data" / "harness"
 ITEMS = [
     (d["question"], d["choices"], d["gold"])
     for d in map(json.loads, (TASKS / "goat_python_choice.jsonl").read_text().splitlines())

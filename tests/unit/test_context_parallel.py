@@ -1,6 +1,6 @@
 """Context parallelism, one process: the split, the gather order and the chunk attention of every CP rank
 against attention over the whole row (each rank simulated in turn; the multi-process runs are in
-tests/test_context_parallel_runs.py)."""
+tests/integration/test_context_parallel_runs.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from goat_dist.plan import make_plan, param_inventory, total_params
 from goat_dist.plan.hardware import GPUS, gpu
 from goat_dist.plan.planner import PlanError, largest_micro_batch, memory_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = sorted((ROOT / "configs" / "models").glob("*.yaml"))
 SIZE = {"125m": 125e6, "350m": 350e6, "760m": 760e6, "1.3b": 1.3e9, "2.7b": 2.7e9, "6.7b": 6.7e9,
         "13b": 13e9, "30b": 30e9}  # fmt: skip

@@ -4,7 +4,7 @@ import pytest
 
 from goat_dist.config import Config, ConfigError, load_config, parse_override
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_yaml_is_the_builtin_default():

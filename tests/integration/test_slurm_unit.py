@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("goat_slurm", ROOT / "slurm" / "goat_slurm.py")
 gs = importlib.util.module_from_spec(_spec)
 sys.modules["goat_slurm"] = gs

@@ -1,6 +1,6 @@
 """The project's FlashAttention-4 (``flash4``) code paths, run on CPU through ``tests/flash4_standin.py``.
 
-The stand-in itself is checked in ``tests/test_flash4_standin.py``. Here the project: the head-dim plan
+The stand-in itself is checked in ``tests/unit/test_flash4_standin.py``. Here the project: the head-dim plan
 per GPU generation, ``auto`` selection with faked device capabilities and import availability, GOAT (causal,
 GQA, several R/M, q/k wider than v) and the model (GOAT, RoPE, NoPE; dense and varlen document masking)
 through ``flash4`` with the stand-in in fp32 against ``sdpa`` to 1e-5, outputs and gradients, and the

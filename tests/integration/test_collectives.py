@@ -16,7 +16,7 @@ from goat_dist.trainer.control import FINGERPRINT_MOD, agree
 def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
     """NCCL reduces only CUDA tensors; the rare host-side collectives pass CPU tensors to the world group.
     A CUDA run's world group must serve both device types (checked here by faking CUDA; the GPU suite runs
-    it for real); every later group is NCCL only (tests/test_process_groups.py)."""
+    it for real); every later group is NCCL only (tests/integration/test_process_groups.py)."""
     seen = {}
 
     class Stop(Exception):

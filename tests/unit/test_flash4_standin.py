@@ -1,7 +1,7 @@
 """The FlashAttention-4 stand-in (``tests/flash4_standin.py``) checked against attention written out
 explicitly in float64 (layouts, bottom-right causal alignment, q/k and v of different head dims,
 natural-log LSE, varlen packing, gradients) and against the real kernel's documented rejections, so that
-the project's ``flash4`` paths tested through it (``tests/test_flash4_paths.py``) are held to the real
+the project's ``flash4`` paths tested through it (``tests/unit/test_flash4_paths.py``) are held to the real
 kernel's rules."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: fa4_compile.py lives there
 sys.path.insert(0, str(HERE))
 import fa4_compile  # noqa: E402
 
