@@ -1,4 +1,5 @@
-"""torchrun worker (2 processes) for tests/integration/test_plan_validation.py: what real DeepSpeed engines hold.
+"""torchrun worker (2 processes) for tests/integration/test_plan_validation.py: what real DeepSpeed
+engines hold.
 
     plan_memory.py '{"dp": {name: [override, ...]}, "cp": {name: [...]}}'
 
