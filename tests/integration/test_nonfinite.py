@@ -7,8 +7,16 @@ import json
 import math
 
 import pytest
+from harness.distributed import run_distributed
 from harness.faults import NaNGradient, fault_env, fault_override
-from multiproc import ROOT, goat_train_command, in_process_config, launch_command, per_step, records, run
+from multiproc import (
+    goat_train_command,
+    in_process_config,
+    one_layer_config,
+    per_step,
+    records,
+    run,
+)
 
 from goat_dist.checkpoint.manager import write_manifest
 
@@ -141,14 +149,55 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
     assert any(not torch.equal(a, b) for a, b in zip(after, snapshot()))
 
 
-def test_zero3_padding_is_not_a_nonfinite_weight(tmp_path):
+def _zero3_padding_rank(layout) -> dict:
+    """One rank of DP=2, ZeRO-3, bf16: NaN into every partition's padding (forward weights and fp32
+    masters), then an Inf into one real element; what the checks see each time."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from goat_dist.engine.zero3 import partition_span
+    from goat_dist.model import GPT
+    from goat_dist.observe.step_metrics import param_sumsq_share
+    from goat_dist.parallel.parallelize import parallelize
+    from goat_dist.trainer.nonfinite import first_nonfinite_weight
+
+    cfg = one_layer_config("train.micro_batch_size=1", "parallel.zero_stage=3", "train.precision=bf16")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = parallelize(model, cfg, grad_accum=1)
+    padded = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _, real = partition_span(p)
+            master = engine.optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)[0]
+            if real < p.ds_tensor.numel():
+                p.ds_tensor.view(-1)[real:] = float("nan")
+                master.view(-1)[real:] = float("nan")
+                padded.append(name)
+    engine.module.sync_prior_masters()
+    prior = [(n, p) for n, p in model.named_parameters() if ".prior." in n]
+    result = {
+        "prior_forward_is_master": [
+            n for n, p in prior if torch.equal(p.fp32_forward, safe_get_full_fp32_param(p))
+        ],
+        "prior": [n for n, _ in prior],
+        "padded": padded,
+        "bad_with_padding_nan": first_nonfinite_weight(model),
+        "norm_share": param_sumsq_share(model, 1, layout.dp, layout.dp_rank),
+    }
+    victim = next(n for n, p in model.named_parameters() if partition_span(p)[1] > 0 and n not in padded)
+    with torch.no_grad():
+        dict(model.named_parameters())[victim].ds_tensor.view(-1)[0] = float("inf")
+    result["victim"], result["bad_with_real_inf"] = victim, first_nonfinite_weight(model)
+    return result
+
+
+def test_zero3_padding_is_not_a_nonfinite_weight():
     """DeepSpeed pads ZeRO-3 partitions with uninitialised memory; a NaN there once refused a final save of
     a healthy DP=2 ZeRO-3 run (``blocks.0.attn.prior.sink_mlp.fc2.bias``, one element: rank 1 holds only
     padding). NaN in every padding is ignored; an Inf in a real element is still named. In bf16, the prior's
     forward values gathered from the fp32 master partitions (engine/zero3.py) equal DeepSpeed's own gather."""
-    out = tmp_path / "padding.json"
-    run(launch_command(2, [str(ROOT / "tests" / "workers" / "zero3_padding.py"), str(out)]), timeout=300)
-    ranks = [json.loads((tmp_path / f"padding.json.{r}").read_text()) for r in (0, 1)]
+    ranks = run_distributed(_zero3_padding_rank, world=2)
     assert any(".prior." in name for name in ranks[1]["padded"]), ranks[1]["padded"]
     for r in ranks:
         assert r["bad_with_padding_nan"] is None
