@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -101,19 +102,19 @@ def run_distributed(
     got: dict[int, tuple[str, Any]] = {}
     started: set[int] = set()
     try:
-        deadline = _now() + startup_s
+        deadline = time.monotonic() + startup_s
         while len(got) < world:
             try:
-                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - _now())))
+                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode is not None and int(p.name[4:]) not in got]
-                if dead or _now() > deadline:
+                if dead or time.monotonic() > deadline:
                     break
                 continue
             if status == "started":
                 started.add(rank)
                 if len(started) == world:  # the function's own time starts now
-                    deadline = _now() + timeout_s
+                    deadline = time.monotonic() + timeout_s
                 continue
             got[rank] = (status, value)
             if status == "error":
@@ -139,9 +140,3 @@ def run_distributed(
             f"ranks {missing} of {world} returned nothing within {timeout_s:g} s (exit codes {codes})"
         )
     return [got[r][1] for r in range(world)]
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

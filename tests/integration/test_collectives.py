@@ -194,3 +194,25 @@ def test_a_lost_peer_is_recorded_by_another_rank_when_rank0_is_silent(tmp_path, 
     assert record["status"] == "failed" and record["reason"] == reason and record["step"] == 3
     entry._record_exit(cfg, "failed", "another rank's reason", 3, 1, any_rank=True)  # one is there: kept
     assert json.loads((tmp_path / "run" / "last_exit.json").read_text())["reason"] == reason
+
+
+def _requests_on_different_ranks(layout):
+    """Rank 1 asks for a save, rank 0 for a stop; nothing else is unusual."""
+    zero = torch.tensor(0.0)
+    control = agree(
+        zero, 1, zero, zero, 0, 0, 1, False, layout.rank == 1, "enough" if layout.rank == 0 else None, 1, 2
+    )
+    return {"save": control.save, "stop": control.stop, "reason": control.stop_reason}
+
+
+@pytest.mark.slow
+def test_a_request_on_one_rank_is_seen_by_every_rank_at_that_step():
+    """``Trainer.request_save`` / ``request_stop`` ride in the step's one collective: a save asked on
+    rank 1 and a stop asked on rank 0 both reach both ranks in the same ``agree``; a rank that did not
+    ask knows only that another rank did."""
+    from harness.distributed import run_distributed
+
+    ranks = run_distributed(_requests_on_different_ranks, world=2)
+    assert all(r["save"] and r["stop"] for r in ranks), ranks
+    assert ranks[0]["reason"] == "enough"
+    assert "another rank" in ranks[1]["reason"], ranks[1]
