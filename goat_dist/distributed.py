@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .compat import apply_cpu_compat
 
 
@@ -278,7 +279,7 @@ def teardown(barrier: bool = True) -> None:
     if dist.is_initialized():
         try:
             if barrier:
-                dist.barrier()
+                collectives.barrier()
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

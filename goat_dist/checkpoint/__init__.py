@@ -4,10 +4,10 @@
 Exports resolve lazily, so that the command line can register ``goat-dist ckpt`` without importing
 torch, megatron or DeepSpeed (``goat-dist data`` never needs them).
 
-May import: torch, safetensors, ``goat_dist.atomic``, ``goat_dist.config``, ``goat_dist.shapes``,
-``goat_dist.optim`` (which parameters are the prior's), ``goat_dist.engine`` (the fp32 masters and step
-counters) and, for exports, ``goat_dist.generation`` and ``goat_dist.inference``; never the trainer (it
-builds on this package).
+May import: torch, safetensors, ``goat_dist.atomic``, ``goat_dist.collectives``, ``goat_dist.config``,
+``goat_dist.shapes``, ``goat_dist.optim`` (which parameters are the prior's), ``goat_dist.engine`` (the fp32
+masters and step counters) and, for exports, ``goat_dist.generation`` and ``goat_dist.inference``; never the
+trainer (it builds on this package).
 """
 
 from .errors import CheckpointError

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .. import collectives
 from ..atomic import file_problem, sha256_file
 from .errors import CheckpointError
 from .names import MANIFEST
@@ -67,9 +68,7 @@ def _gather(obj) -> list:
     rank, world = _world()
     if world == 1:
         return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+    return collectives.all_gather_object(obj)
 
 
 def _raise_first(errors: list[str]) -> None:
@@ -114,7 +113,7 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
         todo = {n: s for n, s in sizes.items() if n not in merged}
         plan = [(shares(todo, world), sorted(sizes), problem)]
     if world > 1:
-        dist.broadcast_object_list(plan, src=0)
+        collectives.broadcast_object_list(plan, src=0)
     my_share, names, problem = plan[0][0][rank], plan[0][1], plan[0][2]
     results, error = {}, problem if rank == 0 else ""
     for name in my_share if not problem else []:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..atomic import atomic_write_text
 from . import lineage, rng, universal
 from .digests import digest, digest_files, listing, raise_everywhere, verify
@@ -129,7 +130,7 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             if step_dir.exists():  # a leftover of an interrupted save of the same step
                 shutil.rmtree(step_dir)
-        dist.barrier()
+        collectives.barrier()
         return step_dir
 
     def _write_run_files(self, step_dir: Path, trainer_state: dict, config_text: str) -> None:
@@ -153,7 +154,7 @@ class CheckpointManager:
             atomic_write_text(self.root / LATEST, step_dir.name)
             self._published_bytes = sum(int(f["bytes"]) for f in files.values())
             lineage.prune(self.root, step_dir.name, self.keep_last)
-        dist.barrier()
+        collectives.barrier()
         self.parent = step_dir.name
         self._tell("published", step_dir, step)
 
@@ -168,7 +169,7 @@ class CheckpointManager:
         torch.save(rng.capture(), rng_file)
         known[rng_file.name] = digest(rng_file)
         self._write_run_files(step_dir, trainer_state, config_text)
-        dist.barrier()  # every shard is on disk
+        collectives.barrier()  # every shard is on disk
         self._publish(step_dir, step, known, "")
         self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
         self._record_cost(step)
@@ -201,7 +202,7 @@ class CheckpointManager:
         if self.pending is None:
             return None
         busy = torch.tensor([0 if self.pending.writer.done() else 1])
-        dist.all_reduce(busy)
+        collectives.all_reduce(busy)
         return None if busy.item() else self._finish()
 
     def wait(self) -> Path | None:

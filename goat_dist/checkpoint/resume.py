@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .errors import CheckpointError
 from .names import MANIFEST, STATE
 
@@ -25,13 +26,13 @@ def broadcast_text(text: str | None) -> str | None:
     """Rank 0's ``text`` (or None) on every rank."""
     data = b"" if text is None else text.encode()
     header = torch.tensor([len(data), 0 if text is None else 1], dtype=torch.long)
-    dist.broadcast(header, src=0)
+    collectives.broadcast(header, src=0)
     if not header[1]:
         return None
     buffer = torch.zeros(int(header[0]), dtype=torch.uint8)
     if dist.get_rank() == 0:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
+    collectives.broadcast(buffer, src=0)
     return bytes(buffer.tolist()).decode()
 
 
@@ -57,8 +58,7 @@ def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path 
         return None
     path = Path(chosen)
     problem = what_is_missing(path)
-    flags = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([0 if problem is None else 1]))
+    flags = collectives.all_gather(torch.tensor([0 if problem is None else 1]))
     blind = [r for r, f in enumerate(flags) if f.item()]
     if not blind:
         return path

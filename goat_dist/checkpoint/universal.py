@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .. import collectives
 from ..atomic import atomic_write_text
 from ..engine.masters import KEYS, MOMENTS
 from ..engine.masters import layout_of as engine_layout_of
@@ -161,8 +162,7 @@ def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -
         "tp": parallel_state.get_tensor_model_parallel_rank(),
         "pieces": [(name, start, numel) for name, start, numel, _ in pieces],
     }
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    gathered = collectives.gather_object(mine, dst=0)
     if rank == 0:
         record = _record(engine, masters, step, params, gathered)
         atomic_write_text(out / "meta.json", json.dumps(record, separators=(",", ":")))

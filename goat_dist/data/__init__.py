@@ -11,7 +11,8 @@ set, the shard format and writer) lives in the torch-free `data_tools` package; 
 that come from there are the ones the trainer and inference call at run time.
 
 May import: torch, numpy, webdataset, the torch-free ``data_tools``, ``goat_dist.atomic``,
-``goat_dist.config`` and ``goat_dist.distributed`` (the rank layout); never the model or the trainer.
+``goat_dist.config``, ``goat_dist.collectives`` and ``goat_dist.distributed`` (the rank layout); never the
+model or the trainer.
 """
 
 from data_tools.builtin import builtin_dataset_dir, prepare_builtin_dataset

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
-
 from data_tools.builtin import prepare_builtin_dataset
 from data_tools.shard_format import MANIFEST_NAME, read_manifest
 
+from .. import collectives
 from ..config import Config, ConfigError
 from ..distributed import Layout
 from .loader import build_train_loader, build_val_loader
@@ -24,7 +23,7 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
         cache = Path(cfg.data.cache_dir).expanduser()
         if layout.is_main:
             synthetic.source_dir(cfg.data.synthetic, cache)
-        dist.barrier()
+        collectives.barrier()
         sources = [{"path": str(synthetic.source_dir(cfg.data.synthetic, cache)), "weight": 1.0}]
     elif cfg.data.sources:
         sources = [
@@ -39,7 +38,7 @@ def data_sources(cfg: Config, layout: Layout, log=print) -> list[dict]:
         kwargs = dict(vocab_size=cfg.model.vocab_size, max_bytes=cfg.data.builtin_max_bytes)
         if layout.is_main:
             prepare_builtin_dataset(cache, log=log, **kwargs)
-        dist.barrier()
+        collectives.barrier()
         sources = [
             {"path": str(prepare_builtin_dataset(cache, log=lambda *a: None, **kwargs)), "weight": 1.0}
         ]

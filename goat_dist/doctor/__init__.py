@@ -29,9 +29,9 @@ shared run dir), ``storage`` (run dir writable, write bandwidth), ``datasets`` (
 (parameter count, checkpoint size, disk); ``report`` holds the per-rank report and ``command`` runs them
 all and parses the command line.
 
-May import: torch, ``goat_dist.atomic``, ``goat_dist.config``, ``goat_dist.shapes``,
-``goat_dist.distributed`` and ``goat_dist.data`` (the sources it checks); never the model or the trainer
-(the trainer reads the bandwidth it records).
+May import: torch, ``goat_dist.atomic``, ``goat_dist.collectives``, ``goat_dist.config``,
+``goat_dist.shapes``, ``goat_dist.distributed`` and ``goat_dist.data`` (the sources it checks); never the
+model or the trainer (the trainer reads the bandwidth it records).
 """
 
 from __future__ import annotations

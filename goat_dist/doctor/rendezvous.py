@@ -48,30 +48,32 @@ def check_all_reduce(report: Report, device, nbytes: int, iters: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from .. import collectives
+
     world, rank = dist.get_world_size(), dist.get_rank()
     backend = dist.get_backend()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     probe = torch.full((4,), float(rank + 1), device=device)
-    dist.all_reduce(probe)
+    collectives.all_reduce(probe)
     expected = world * (world + 1) / 2
     if not torch.allclose(probe.cpu(), torch.full((4,), expected)):
         report.fail("all-reduce", f"wrong result: {probe.tolist()} instead of {expected} ({backend})")
         return
     n = max(1, nbytes // 4)
     buf = torch.ones(n, dtype=torch.float32, device=device)
-    dist.all_reduce(buf)  # warm-up: connections, NCCL channels
+    collectives.all_reduce(buf)  # warm-up: connections, NCCL channels
     sync()
     times = []
     for _ in range(iters):
-        dist.all_reduce(torch.zeros(1, device=device))  # start together
+        collectives.all_reduce(torch.zeros(1, device=device))  # start together
         sync()
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        collectives.all_reduce(buf)
         sync()
         times.append(time.perf_counter() - t0)
     # every rank's slowest view counts: the max over ranks of the median time
     median = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(median, op="max")
     seconds = float(median.item())
     if world == 1:
         report.ok("all-reduce", f"1 rank, {backend}: correct (no link to measure)")
@@ -88,10 +90,11 @@ def check_all_reduce(report: Report, device, nbytes: int, iters: int) -> None:
 
 def _agree(device, value: int, op: str = "max") -> int:
     import torch
-    import torch.distributed as dist
+
+    from .. import collectives
 
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    collectives.all_reduce(t, op="max" if op == "max" else "sum")
     return int(t.item())
 
 

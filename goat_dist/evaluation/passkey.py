@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .. import collectives
 from ..data import synthetic
 from .perplexity import check_length
 
@@ -36,8 +36,7 @@ def full_vocab(logits: torch.Tensor) -> torch.Tensor:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(tp)]
-    dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    parts = collectives.all_gather(logits, group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)
 
 
@@ -71,7 +70,7 @@ def retrieval_accuracy(
         exact += weight * int(hits.all(-1).sum())
         digits += weight * int(hits.sum())
     totals = torch.tensor([exact, digits], dtype=torch.float64)
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    collectives.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     return {
         "length": length,
         "depth": depth,

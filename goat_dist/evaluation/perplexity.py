@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from .. import collectives
 from ..data.loader import IGNORE_INDEX, PackedBatches
 from ..data.sources import resolve_sources
 from . import EvalError
@@ -94,7 +94,7 @@ def perplexity_at(
         by_position += losses.double().cpu().sum(0)
         counts += valid.sum(0)
     totals = torch.stack([by_position, counts])
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    collectives.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     by_position, counts = totals
     loss = float(by_position.sum() / counts.sum())
     blocks = []

@@ -57,8 +57,7 @@ class Session:
 
 def builtin_data(loaded, is_main: bool) -> str:
     """The builtin corpus the run trained on (its config's cache dir, vocabulary and size)."""
-    import torch.distributed as dist
-
+    from .. import collectives
     from ..config import DataConfig
     from ..data import prepare_builtin_dataset
 
@@ -70,5 +69,5 @@ def builtin_data(loaded, is_main: bool) -> str:
     cache = Path(data.get("cache_dir", defaults.cache_dir)).expanduser()
     if is_main:
         prepare_builtin_dataset(cache, **kwargs)
-    dist.barrier()
+    collectives.barrier()
     return str(prepare_builtin_dataset(cache, log=lambda *a: None, **kwargs))

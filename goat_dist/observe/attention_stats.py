@@ -18,9 +18,9 @@ once. Statistics are summed over this rank's heads and reduced over the TP group
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .. import collectives
 from ..goat import split_grouped_qkv
 
 WINDOW = 64
@@ -126,6 +126,6 @@ class AttentionProbe:
             return None
         table = torch.stack([self.sums[i] for i in range(len(self.model.blocks))])  # (layers, 4)
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(table, group=parallel_state.get_tensor_model_parallel_group())
+            collectives.all_reduce(table, group=parallel_state.get_tensor_model_parallel_group())
         means = table[:, :3] / table[:, 3:4]
         return {name: [round(float(v), 6) for v in means[:, c]] for c, name in enumerate(FIELDS)}

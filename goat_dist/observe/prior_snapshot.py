@@ -14,9 +14,9 @@ persistent anyway).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .. import collectives
 from ..engine.zero3 import gathered
 
 REACH = 4  # curves extend to REACH x the training length: extrapolation is the point
@@ -76,9 +76,7 @@ def _gather_heads(curves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     group = parallel_state.get_tensor_model_parallel_group()
     out = dict(curves)
     for key in ("k_rel", "sink", "slope", "log_prior"):
-        parts = [torch.empty_like(curves[key]) for _ in range(tp)]
-        dist.all_gather(parts, curves[key], group=group)
-        out[key] = torch.cat(parts)
+        out[key] = torch.cat(collectives.all_gather(curves[key], group=group))
     return out
 
 

@@ -25,8 +25,8 @@ import resource
 
 import psutil
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..engine.zero3 import is_partitioned, partition_values
 from .flops import flops_per_token
 from .peak import cpu_peak, peak_flops, training_dtype
@@ -116,9 +116,8 @@ class StepMetrics:
         """Collective over the world (one all-gather of four numbers per rank)."""
         lay = self.layout
         own = [param_sumsq_share(self.model, lay.tp, lay.dp, lay.dp_rank), *memory_bytes(lay.device)]
-        gathered = [torch.zeros(4, dtype=torch.float64) for _ in range(lay.world)]
         # host tensors: on CUDA the default group is cpu:gloo,cuda:nccl (distributed.backend_for)
-        dist.all_gather(gathered, torch.tensor(own, dtype=torch.float64))
+        gathered = collectives.all_gather(torch.tensor(own, dtype=torch.float64))
         rows = torch.stack(gathered)
         tflops = tokens_per_s * self.flops_per_token / lay.world / 1e12
         out = {

@@ -3,9 +3,9 @@ context-parallel split, activation checkpointing, set up on a built model), cont
 (``context.py``: the split of whole rows, the differentiable K/V gather, attention of the local chunks),
 and ``parallelize`` (the one step: the TP gradient sum, then the engine).
 
-May import: torch, megatron-core, ``goat_dist.config``, ``goat_dist.kernels``, ``goat_dist.goat``,
-``goat_dist.optim`` and ``goat_dist.engine`` (``parallelize`` builds the engine last); never
-``goat_dist.model`` (the model imports this package).
+May import: torch, megatron-core, ``goat_dist.collectives``, ``goat_dist.config``, ``goat_dist.kernels``,
+``goat_dist.goat``, ``goat_dist.optim`` and ``goat_dist.engine`` (``parallelize`` builds the engine last);
+never ``goat_dist.model`` (the model imports this package).
 """
 
 from .context import (

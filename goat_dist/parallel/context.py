@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import collectives
 from ..goat.exact import sequence_origin
 from ..kernels import document_segments
 from ..kernels import prefix_attention as context_attention
@@ -166,15 +167,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty(size * x.shape[0], *x.shape[1:])  # gloo wants the ranks along dim 0
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        collectives.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
 
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.contiguous().flatten(0, 1), group=ctx.group)
+        collectives.reduce_scatter_tensor(out, grad.contiguous().flatten(0, 1), group=ctx.group)
         return out, None
 
 

@@ -11,10 +11,10 @@ import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from .. import collectives
 from ..config import Config
 from ..engine.build import build_engine
 from ..goat.prior import FP32_FORWARD
@@ -101,7 +101,7 @@ class TPGradSum:
         ready = [i for i, g in enumerate(self.stash) if g is not None]
         if ready:
             flat = torch.cat([self.stash[i].reshape(-1).float() for i in ready])
-            dist.all_reduce(flat, group=self.group)
+            collectives.all_reduce(flat, group=self.group)
             self.all_reduces += 1
             for i, part in zip(ready, flat.split([self.stash[i].numel() for i in ready])):
                 grad = self.params[i].grad

@@ -4,10 +4,10 @@ prior pictures, throughput, memory, loggers, ``train.callbacks`` plugins), the r
 unreadable steps, signals and the deadline, and ``goat-dist train``'s entry (``entry.py``:
 ``last_exit.json``).
 
-May import: everything below it: ``goat_dist.atomic``, ``goat_dist.config``, ``goat_dist.precision``,
-``goat_dist.distributed``, ``goat_dist.data``, ``goat_dist.engine``, ``goat_dist.model``,
-``goat_dist.parallel``, ``goat_dist.observe``, ``goat_dist.checkpoint`` and ``goat_dist.doctor`` (the
-recorded write bandwidth); only the command line imports the trainer.
+May import: everything below it: ``goat_dist.atomic``, ``goat_dist.collectives``, ``goat_dist.config``,
+``goat_dist.precision``, ``goat_dist.distributed``, ``goat_dist.data``, ``goat_dist.engine``,
+``goat_dist.model``, ``goat_dist.parallel``, ``goat_dist.observe``, ``goat_dist.checkpoint`` and
+``goat_dist.doctor`` (the recorded write bandwidth); only the command line imports the trainer.
 """
 
 from .entry import run

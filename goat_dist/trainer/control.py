@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from .. import collectives
 
 # Fingerprints are reduced modulo this prime before they travel (float64 holds the sum exactly); the
 # modulus of a sum is the sum of the moduli, so the result does not depend on the layout.
@@ -112,7 +113,7 @@ def agree(
     ]
     host = torch.tensor(host_part, dtype=torch.float64)
     vector = torch.cat([device_part, host.to(device_part.device, non_blocking=True)])
-    dist.all_reduce(vector)
+    collectives.all_reduce(vector)
     values = dict(zip(_VECTOR_ORDER, vector.tolist()))
     return StepControl(
         loss=values["loss"] / (peers * dp * micro_batches),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..engine.steps import first_nonfinite_gradient
 from ..engine.zero3 import local_values
 
@@ -64,8 +64,7 @@ def raise_nonfinite(engine, step: int, control, samples: list[int], dataset, rea
 
     ``samples``: the global samples of this rank's first micro-batch with a non-finite loss (or [])."""
     first = torch.tensor([samples[0] if samples else -1], dtype=torch.long)
-    gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, first)
+    gathered = collectives.all_gather(first)
     offending = [(rank, int(t)) for rank, t in enumerate(gathered) if int(t) >= 0]
     param = first_nonfinite_gradient(engine)
     what = "loss" if control.nonfinite_loss else "gradient"

@@ -4,7 +4,8 @@ the deadline; metrics.jsonl's ``start`` record holds the same as numbers."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from ... import collectives
 
 
 def start_info(trainer) -> dict:
@@ -15,8 +16,7 @@ def start_info(trainer) -> dict:
 
     lay, cfg = trainer.layout, trainer.cfg
     local = sum(p.numel() for p in trainer.model.parameters())
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(lay.world)]
-    dist.all_gather(counts, torch.tensor([local]))
+    counts = collectives.all_gather(torch.tensor([local]))
     record = {
         "world": lay.world,
         "tp": lay.tp,

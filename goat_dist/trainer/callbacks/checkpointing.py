@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import yaml
 
+from ... import collectives
 from .. import nonfinite
 from ..deadline import Deadline
 from .base import Callback
@@ -91,7 +91,7 @@ class Checkpointing(Callback):
         self.finish_pending(wait=True)
         bad = nonfinite.first_nonfinite_weight(t.engine.module)
         flag = torch.tensor([0 if bad is None else 1])
-        dist.all_reduce(flag)
+        collectives.all_reduce(flag)
         if flag.item():
             raise nonfinite.NonFiniteError(
                 f"step {t.state.step}: refusing to save a checkpoint from non-finite weights "

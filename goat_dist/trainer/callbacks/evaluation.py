@@ -7,9 +7,9 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
+from ... import collectives
 from .base import Callback
 
 
@@ -47,7 +47,8 @@ class Evaluation(Callback):
             with t.autocast(), probe if (probe and i == 0) else contextlib.nullcontext():
                 total += t.engine(tokens, positions, labels).float()
         # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        replicas = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        collectives.all_reduce(total, group=replicas)
         self.attention_stats = probe.result() if probe else None  # collective over TP
         t.engine.train()
         return total.item() / (n * t.layout.replicas)

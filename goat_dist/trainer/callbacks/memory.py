@@ -5,8 +5,8 @@ peak; the first step creates the optimizer state). A dropped update is not measu
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ... import collectives
 from ...engine.memory import training_state_bytes
 from .base import Callback
 
@@ -17,13 +17,12 @@ class MemoryUse(Callback):
     def pre_optim_step(self, state, control):
         t = self.trainer
         if not control.dropped and state.step == t.loop.first_step + 1:
-            t.emit("on_memory", measure(t.engine, t.layout.world))
+            t.emit("on_memory", measure(t.engine))
 
 
-def measure(engine, world: int) -> dict:
+def measure(engine) -> dict:
     """Collective: every rank's bytes per kind (``training_state_bytes``), gathered on every rank."""
     local = training_state_bytes(engine.module, engine.optimizer)
     keys = sorted(local)
-    gathered = [torch.zeros(len(keys), dtype=torch.long) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([local[k] for k in keys]))
+    gathered = collectives.all_gather(torch.tensor([local[k] for k in keys]))
     return {k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}
