@@ -5,15 +5,18 @@
 #      GOAT_SKIP_INSTALL=1 skips it where the environment is prepared already;
 #   1. bench/gpu_train.py: an NCCL smoke run of `goat-dist train` (bf16, checkpoint at step 10, resume to
 #      30) and the end-to-end MFU of the 125M and 1.3B configs;
-#   2. tests/gpu (bf16 parity of flash4 / FA2 / sdpa for GOAT up to L=16k, the flash4 log-sum-exp, the
+#   2. bench/gpu_tp2.py, with two GPUs or more: TP=2 over NCCL through an evaluation at step 5 (the TP
+#      and DP groups are NCCL only: a host tensor reduced on them fails there), a checkpoint-and-stop on
+#      SIGTERM, a resume and `eval ppl` at DP=2; on one GPU it says so and skips;
+#   3. tests/gpu (bf16 parity of flash4 / FA2 / sdpa for GOAT up to L=16k, the flash4 log-sum-exp, the
 #      bf16 long-sequence error against float64);
-#   3. bench/gpu_attention.py: GOAT against plain attention in the same kernel (flash4, FA2, sdpa),
+#   4. bench/gpu_attention.py: GOAT against plain attention in the same kernel (flash4, FA2, sdpa),
 #      forward + backward TFLOP/s at head dims 64 and 128, L = 2k to 32k.
 #
 #   bash bench/gpu_suite.sh [--dry-run] [OUT_DIR]     # default runs/gpu_suite; $OUT is used when set
 #
 # --dry-run prints the plan (every command with its timeout) and checks that its inputs exist, on any
-# machine; it runs nothing. Every part has a timeout (GOAT_{INSTALL,TRAIN,TESTS,BENCH}_TIMEOUT, seconds)
+# machine; it runs nothing. Every part has a timeout (GOAT_{INSTALL,TRAIN,TP2,TESTS,BENCH}_TIMEOUT, seconds)
 # and leaves what it finished: gpu_train.json after each run, tests.jsonl after each test,
 # gpu_attention.json after each row, suite.json after each part. FA4 compiles each kernel shape at its
 # first call (tens of seconds); its compiled kernels go to an on-disk cache
@@ -34,6 +37,7 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$HOME/.cache/goat-dist/fa4-cute}
 INSTALL_TIMEOUT=${GOAT_INSTALL_TIMEOUT:-240}
 TRAIN_TIMEOUT=${GOAT_TRAIN_TIMEOUT:-250}
+TP2_TIMEOUT=${GOAT_TP2_TIMEOUT:-200}
 TESTS_TIMEOUT=${GOAT_TESTS_TIMEOUT:-140}
 BENCH_TIMEOUT=${GOAT_BENCH_TIMEOUT:-140}
 
@@ -65,6 +69,7 @@ INSTALL_CMD=("$PY" -m pip install -q "${PIP_ARGS[@]}")
 if [[ -n "$TORCH_PIN" ]]; then INSTALL_CMD+=(-c "$CONSTRAINTS"); fi
 INSTALL_CMD+=("${REQS[@]}")
 TRAIN_CMD=("$PY" bench/gpu_train.py --out "$OUT_DIR")
+TP2_CMD=("$PY" bench/gpu_tp2.py --out "$OUT_DIR")
 TESTS_CMD=("$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_suite_script.py)
 # shellcheck disable=SC2206  # GOAT_ATTENTION_ARGS is a list of flags
 BENCH_CMD=("$PY" bench/gpu_attention.py --out "$OUT_DIR" ${GOAT_ATTENTION_ARGS:-})
@@ -77,10 +82,11 @@ if [[ $DRY -eq 1 ]]; then
     echo "  install  skipped (GOAT_SKIP_INSTALL)"
   fi
   echo "  train    timeout ${TRAIN_TIMEOUT}s: ${TRAIN_CMD[*]}"
+  echo "  tp2      timeout ${TP2_TIMEOUT}s: ${TP2_CMD[*]}   (2+ GPUs; skipped with a message on one)"
   echo "  tests    timeout ${TESTS_TIMEOUT}s: GOAT_TESTS_JSONL=$OUT_DIR/tests.jsonl ${TESTS_CMD[*]}"
   echo "  bench    timeout ${BENCH_TIMEOUT}s: ${BENCH_CMD[*]}"
   missing=0
-  for path in pyproject.toml bench/gpu_train.py bench/gpu_attention.py tests/gpu configs/tiny.yaml \
+  for path in pyproject.toml bench/gpu_train.py bench/gpu_tp2.py bench/gpu_attention.py tests/gpu configs/tiny.yaml \
       configs/models/goat_125m.yaml configs/models/goat_1.3b.yaml; do
     if [[ ! -e "$path" ]]; then echo "  MISSING $path"; missing=1; fi
   done
@@ -97,7 +103,7 @@ t0=$(date +%s)
 declare -A RC SECONDS_OF
 write_suite() {  # suite.json so far: a run cut short still says which parts finished and how
   local parts="" key
-  for key in install train tests bench; do
+  for key in install train tp2 tests bench; do
     [[ -n "${RC[$key]:-}" ]] && parts+="\"${key}_rc\": ${RC[$key]}, \"${key}_s\": ${SECONDS_OF[$key]}, "
   done
   echo "{${parts}\"total_s\": $(( $(date +%s) - t0 )), \"fa4_cache\": \"$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR\"}" \
@@ -127,6 +133,9 @@ fi
 
 echo "== goat-dist train on one GPU: NCCL smoke + resume, MFU of 125M and 1.3B"
 part train "$TRAIN_TIMEOUT" "${TRAIN_CMD[@]}"
+
+echo "== two GPUs: TP=2 over NCCL, an evaluation, a checkpoint-and-stop, a resume, eval ppl at DP=2"
+part tp2 "$TP2_TIMEOUT" "${TP2_CMD[@]}"
 
 echo "== tests/gpu"
 export GOAT_TESTS_JSONL="$OUT_DIR/tests.jsonl"  # one line per test (tests/gpu/conftest.py)
