@@ -68,6 +68,12 @@ def check_source(setting: str, path: str, vocab_size: int) -> None:
         )
 
 
+def pinned(layout: Layout) -> bool:
+    """Batches in page-locked host memory on CUDA: the trainer's ``non_blocking`` copy to the device is
+    then truly asynchronous (from pageable memory it is a synchronous staging copy)."""
+    return layout.device.type == "cuda"
+
+
 def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample: int = 0):
     """This rank's micro-batches from global sample ``start_sample`` on (exact resume)."""
     d = cfg.data
@@ -84,6 +90,7 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
             seed=cfg.train.seed,
             start_sample=start_sample,
             num_workers=d.num_workers,
+            pin_memory=pinned(layout),
         )
     return build_train_loader(
         sources,
@@ -99,6 +106,7 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
         on_error=d.on_error,
         cache_dir=d.cache_dir,
         window_order=d.window_order,
+        pin_memory=pinned(layout),
     )
 
 
@@ -115,6 +123,7 @@ def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
             layout.dp_rank,
             layout.dp,
             seed=0,
+            pin_memory=pinned(layout),
         )
     return build_val_loader(
         sources,
@@ -126,4 +135,5 @@ def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
         document_masking=d.document_masking,
         on_error=d.on_error,
         cache_dir=d.cache_dir,
+        pin_memory=pinned(layout),
     )

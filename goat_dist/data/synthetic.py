@@ -146,11 +146,12 @@ def build_loader(
     seed: int,
     start_sample: int = 0,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     if task not in TASKS:
         raise ValueError(f"data.synthetic must be one of {TASKS}, got {task!r}")
     dataset = PasskeyBatches(seq_len, micro_batch_size, dp_rank, dp_size, seed, start_sample, split)
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers)
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
 
 
 def source_dir(task: str, cache_dir: str | Path) -> Path:
