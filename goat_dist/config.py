@@ -30,6 +30,8 @@ PRIOR_INITS = ("seeded", "uniform")
 PRECISIONS = ("auto", "fp32", "bf16")
 ON_ERROR = ("raise", "skip")
 ON_NONFINITE = ("raise", "skip")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
 DATA_RESUME = ("check", "restart")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 EXPORT_DTYPES = ("fp32", "bf16")
@@ -98,6 +100,12 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 20
+    lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay; optim.lr_at)
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays to min_lr
+    decay_shape: str = "linear"  # wsd's decay: linear | cosine | sqrt (1 - sqrt(progress))
+    # training length in tokens instead of steps: max_steps = ceil(max_tokens / (global batch x seq_len)),
+    # set when the config is loaded; 0: max_steps decides
+    max_tokens: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -312,7 +320,7 @@ def data_vocab_size(cfg: Config) -> int | None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     cfg = Config()
-    vocab_given = False
+    vocab_given = steps_given = False
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -325,17 +333,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: top level must be a mapping of sections")
         try:
             vocab_given = _vocab_given(data, vocab_given)
+            steps_given = steps_given or _steps_given(data)
             _merge(cfg, data)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from e
     for text in overrides or []:
         update = parse_override(text)
         vocab_given = _vocab_given(update, vocab_given)
+        steps_given = steps_given or _steps_given(update)
         _merge(cfg, update)
     if not vocab_given:
         cfg.model.vocab_size = data_vocab_size(cfg) or DEFAULT_VOCAB_SIZE
     validate(cfg)
+    _steps_from_tokens(cfg, steps_given)
     return cfg
+
+
+def _steps_given(update: dict) -> bool:
+    train = update.get("train")
+    return isinstance(train, dict) and "max_steps" in train
+
+
+def _steps_from_tokens(cfg: Config, steps_given: bool) -> None:
+    """``train.max_tokens`` -> ``train.max_steps`` (whole steps, rounded up), so everything downstream (the
+    schedule, the deadline, the planner, the console) reads one length. A saved config carries both, in
+    agreement; a ``max_steps`` given beside ``max_tokens`` that disagrees with it is refused."""
+    t = cfg.train
+    if t.max_tokens < 0:
+        raise ConfigError(f"config key 'train.max_tokens' must be >= 0, got {t.max_tokens}")
+    if not t.max_tokens:
+        return
+    per_step = t.global_batch_size * cfg.model.seq_len
+    steps = -(-t.max_tokens // per_step)
+    if steps_given and t.max_steps != steps:
+        raise ConfigError(
+            f"train.max_tokens={t.max_tokens} is {steps} steps of {per_step} tokens (train.global_batch_size "
+            f"x model.seq_len), but train.max_steps={t.max_steps} is also set; set one of them"
+        )
+    t.max_steps = steps
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -356,6 +391,10 @@ def validate(cfg: Config) -> None:
     _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.data_resume", t.data_resume, DATA_RESUME)
+    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(f"config key 'train.decay_fraction' must be in (0, 1], got {t.decay_fraction}")
     plugins = t.callbacks if isinstance(t.callbacks, list) else [None]
     if not all(isinstance(e, str) and ":" in e.strip(":") for e in plugins):
         want = "a list of 'package.module:Name' strings"

@@ -45,11 +45,16 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 @pytest.mark.parametrize(
     "nproc,layout,precision",
-    [(1, [], "fp32"), (4, ["parallel.tp=2", "parallel.zero_stage=2"], "fp32"), (1, [], "bf16")],
-    ids=["1proc", "tp2xdp2-zero2", "1proc-bf16"],
+    [
+        (1, ["train.lr_schedule=wsd", "train.decay_fraction=0.5", "train.warmup_steps=2"], "fp32"),
+        (4, ["parallel.tp=2", "parallel.zero_stage=2"], "fp32"),
+        (1, [], "bf16"),
+    ],
+    ids=["1proc-wsd", "tp2xdp2-zero2", "1proc-bf16"],
 )
 def test_sigkill_then_exact_resume(nproc, layout, precision, tmp_path, builtin_cache):
-    """Same-layout resume is bitwise, in fp32 and in bf16 (DeepSpeed's FP16_UnfusedOptimizer at ZeRO-0)."""
+    """Same-layout resume is bitwise, in fp32 and in bf16 (DeepSpeed's FP16_UnfusedOptimizer at ZeRO-0),
+    and under warmup-stable-decay (the resume at step 8 lands on the first step of the decay phase)."""
     common = [*layout, "train.max_steps=16", "checkpoint.interval=8", f"data.cache_dir={builtin_cache}"]
     full = tmp_path / "full"
     run(nproc, [*common, f"run.dir={full}"], precision=precision)
@@ -76,6 +81,8 @@ def test_sigkill_then_exact_resume(nproc, layout, precision, tmp_path, builtin_c
         assert got[step] == expected[step], (
             f"step {step}: resumed {got[step]} vs uninterrupted {expected[step]}"
         )
+    lrs = {r["step"]: r["lr"] for r in records(resumed) if "lr" in r}
+    assert lrs == {r["step"]: r["lr"] for r in records(full) if "lr" in r}
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, builtin_cache):

@@ -1,0 +1,103 @@
+"""The learning-rate schedules (``optim.lr_at``) and a training length in tokens (``train.max_tokens``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from goat_dist.config import ConfigError, TrainConfig, load_config, save_config
+from goat_dist.optim import lr_at
+
+
+def cfg(**kw) -> TrainConfig:
+    base = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_cosine_is_the_closed_form():
+    c = cfg()
+    for step in range(10, 111):
+        progress = min((step - 10) / 100, 1.0)
+        assert lr_at(step, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    assert [lr_at(s, c) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])  # warmup
+
+
+def test_linear_and_constant():
+    lin, const = cfg(lr_schedule="linear"), cfg(lr_schedule="constant")
+    assert lr_at(60, lin) == pytest.approx(0.55) and lr_at(110, lin) == pytest.approx(0.1)
+    assert {lr_at(s, const) for s in range(10, 200)} == {1.0}
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
+def test_wsd_holds_then_decays_over_the_last_fraction(shape):
+    c = cfg(lr_schedule="wsd", decay_fraction=0.2, decay_shape=shape, max_steps=100)
+    assert all(lr_at(s, c) == 1.0 for s in range(10, 80))  # stable: warmup end .. max_steps - 20
+    decay = [lr_at(s, c) for s in range(80, 101)]
+    assert decay[0] == pytest.approx(1.0) and decay[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(decay, decay[1:]))  # strictly down to min_lr
+    middle = {"linear": 0.55, "cosine": 0.55, "sqrt": 0.1 + 0.9 * (1 - math.sqrt(0.5))}[shape]
+    assert lr_at(90, c) == pytest.approx(middle)
+    if shape == "cosine":
+        assert lr_at(85, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.25)))
+
+
+def test_wsd_decay_never_starts_inside_the_warmup():
+    c = cfg(lr_schedule="wsd", decay_fraction=1.0, max_steps=50)
+    assert lr_at(9, c) == pytest.approx(1.0) and lr_at(10, c) == pytest.approx(1.0)
+    assert lr_at(50, c) == pytest.approx(0.1)
+
+
+def test_the_scheduler_resumes_where_it_stopped():
+    """LambdaLR's state is its step: a scheduler loaded from another's state gives the same rates."""
+    c = cfg(lr_schedule="wsd", decay_fraction=0.5, max_steps=40)
+
+    def make():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=c.lr)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, c) / c.lr)
+
+    opt, sched = make()
+    rates = []
+    for _ in range(40):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    opt2, sched2 = make()
+    opt3, sched3 = make()
+    for _ in range(25):
+        opt3.step()
+        sched3.step()
+    opt2.load_state_dict(opt3.state_dict())  # as a checkpoint restores both
+    sched2.load_state_dict(sched3.state_dict())
+    resumed = []
+    for _ in range(15):
+        resumed.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    assert resumed == pytest.approx(rates[25:])
+
+
+def test_max_tokens_sets_max_steps(tmp_path):
+    c = load_config(None, ["train.max_tokens=100000", "train.global_batch_size=8", "model.seq_len=256"])
+    assert c.train.max_steps == math.ceil(100000 / (8 * 256)) == 49
+    save_config(c, tmp_path / "config.yaml")  # a run directory's config carries both, in agreement
+    assert load_config(tmp_path / "config.yaml").train.max_steps == 49
+    with pytest.raises(ConfigError, match=r"train.max_tokens=100000 is 49 steps .* train.max_steps=10"):
+        load_config(None, ["train.max_tokens=100000", "train.max_steps=10"])
+    assert load_config(None, ["train.max_steps=7"]).train.max_steps == 7  # max_tokens=0: steps decide
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("train.lr_schedule=step", "train.lr_schedule"), ("train.decay_shape=exp", "train.decay_shape"),
+     ("train.decay_fraction=0", "train.decay_fraction"), ("train.max_tokens=-1", "train.max_tokens")],
+)  # fmt: skip
+def test_bad_schedule_keys_are_named(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_defaults_keep_the_cosine_schedule():
+    assert dataclasses.asdict(TrainConfig())["lr_schedule"] == "cosine"
