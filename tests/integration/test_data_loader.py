@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from harness.batches import batches, same
 
 from data_tools.shard_format import ShardError, read_manifest, write_manifest
 from data_tools.writer import ShardWriter
@@ -52,18 +53,6 @@ def data_a(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def data_b(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("b"), 30_000, 150, seed=2)
-
-
-def batches(loader, n: int) -> list[dict]:
-    it = iter(loader)
-    out = [next(it) for _ in range(n)]
-    del it
-    return out
-
-
-def same(xs: list[dict], ys: list[dict]) -> bool:
-    keys = ("tokens", "labels", "position_ids")
-    return len(xs) == len(ys) and all(torch.equal(x[k], y[k]) for x, y in zip(xs, ys) for k in keys)
 
 
 def firsts(bs: list[dict]) -> set[int]:

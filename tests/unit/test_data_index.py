@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from test_data_loader import batches, same  # the loader tests' helpers
+from harness.batches import batches, same  # the loader tests' helpers
 
 from data_tools.inspection import inspect_dataset
 from data_tools.shard_format import index_name, read_manifest, scan_index, write_manifest
