@@ -47,15 +47,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_world(args.nproc, ["-m", "goat_dist", "train", *given, *args.overrides])
     from .distributed import exit_process
     from .trainer import run
-    from .trainer.entry import USER_ERRORS, report_user_error
-    from .trainer.signals import EXIT_CHECKPOINTED
+    from .trainer.entry import USER_ERRORS, process_exit_code, report_user_error
 
     try:
         state = run(cfg)
     except USER_ERRORS as e:
         exit_process(report_user_error(e, cfg.run_dir))
-    # deterministic teardown; never returns. A run stopped by a signal exits EXIT_CHECKPOINTED (75).
-    exit_process(EXIT_CHECKPOINTED if state.stop_requested else 0)
+    # deterministic teardown; never returns. After a stop by a signal rank 0 exits EXIT_CHECKPOINTED (75)
+    exit_process(process_exit_code(state))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -157,7 +157,7 @@ def cuda_environment(tp: int, run_dir: Path | None) -> dict[str, str]:
     * NCCL's async error handling: a collective that times out tears the process down (a frozen peer
       ends the job instead of holding it; ``srun --kill-on-bad-exit`` and torchrun end the rest);
     * its flight recorder: the last collectives of every rank, dumped on a timeout into
-      ``<run_dir>/nccl_trace_rank_<rank>`` (read with ``python -m torch.distributed.flight_recorder``);
+      ``<run_dir>/nccl_trace_rank_<rank>`` (read with ``torchfrtrace <run_dir> --prefix nccl_trace_rank_``);
     * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under TP: megatron's TP communication overlap relies on kernels
       being issued in order."""
     env = {

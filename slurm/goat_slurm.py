@@ -10,19 +10,26 @@ Subcommands (``python slurm/goat_slurm.py <cmd> ...``):
     trainer installs its handlers (or after it removed them, during the final save) cannot kill the task,
     nor its DataLoader workers (Slurm signals every process of a step); the batch script repeats the
     request until the step ends, and Slurm's SIGKILL after KillWait remains the last word.
+    ``GOAT_PRIVATE_DIR`` (set by train.sbatch when FA4's kernel cache defaults to /tmp): made ``0700`` on
+    this node, or checked to be this user's alone; otherwise the cache is off for the task
+    (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0``), since FA4 loads compiled code from it.
 ``run-dir CONFIG [OVERRIDES...]``
     Print the absolute run directory that ``goat-dist train`` will use.
 ``port``
     Print the rendezvous port of this job (``GOAT_MASTER_PORT`` if set).
 ``begin RUN_DIR``
-    Before a training attempt: remember which ``last_exit.json`` (if any) is already there, so a stale file
-    from an earlier attempt is never read as this attempt's outcome.
+    Before a training attempt: remember which ``last_exit.json`` and NCCL flight-recorder dumps (if any)
+    are already there, so stale files from an earlier attempt are never read as this attempt's.
 ``decide RUN_DIR --max-restarts N --exit-code RC [--mode slurm|local] [--no-requeue]``
-    After a training attempt: read the trainer's ``last_exit.json`` (falling back to the step's exit code
-    when the trainer could not write it), count consecutive failures of this job in
-    ``RUN_DIR/slurm/state.json``, append the attempt to ``RUN_DIR/slurm/attempts.jsonl`` and print one word:
-    ``done`` (finished), ``requeue`` (checkpointed by a signal or the deadline; or failed with restarts
-    left), ``stop`` (checkpointed, requeue off), ``give-up`` (failed, no restarts left or not retryable).
+    After a training attempt: read the trainer's ``last_exit.json`` when this attempt wrote one, whatever
+    the step's exit code (rank 0 writes it before any rank exits; ``srun --kill-on-bad-exit`` may still
+    kill or signal the tasks left, and srun then returns 137 or 143), else fall back to the step's exit
+    code; name NCCL flight-recorder dumps this attempt left (``<run_dir>/nccl_trace_rank_<r>``: a CUDA
+    collective timed out and NCCL's watchdog tore the process down, with no Python left to say so); count
+    consecutive failures of this job in ``RUN_DIR/slurm/state.json``, append the attempt to
+    ``RUN_DIR/slurm/attempts.jsonl`` and print one word: ``done`` (finished), ``requeue`` (checkpointed by
+    a signal or the deadline; or failed with restarts left), ``stop`` (checkpointed, requeue off),
+    ``give-up`` (failed, no restarts left or not retryable).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -42,6 +50,7 @@ EXIT_CHECKPOINTED = 75  # goat_dist.trainer.signals.EXIT_CHECKPOINTED
 EXIT_USAGE = 2  # goat-dist train: bad config or impossible layout; retrying cannot help
 PORT_BASE, PORT_SPAN = 15000, 10000  # below Linux's ephemeral range (32768+)
 LOG_PREFIX = "[goat-slurm]"
+NCCL_DUMP = re.compile(r"nccl_trace_rank_(\d+)")  # goat_dist.distributed.NCCL_TRACE_PREFIX + the rank
 
 
 class SlurmEnvError(RuntimeError):
@@ -197,6 +206,23 @@ def task_hosts(environ) -> list[str]:
     return hostnames(nodelist)
 
 
+def private_dir_problem(path: Path) -> str | None:
+    """None when ``path`` is a directory that only this user can write (made ``0700`` when absent), else
+    why not: in a shared /tmp another user could have made it first, and filled it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def cmd_exec(args: argparse.Namespace) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
@@ -213,6 +239,12 @@ def cmd_exec(args: argparse.Namespace) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if env.get("TMPDIR"):  # a per-job scratch dir made on the batch node only
         os.makedirs(env["TMPDIR"], exist_ok=True)
+    if env.get("GOAT_PRIVATE_DIR"):
+        problem = private_dir_problem(Path(env["GOAT_PRIVATE_DIR"]))
+        if problem:
+            env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"
+            if env.get("LOCAL_RANK") == "0":
+                print(f"{LOG_PREFIX} FA4's kernel cache is off on this node: {problem}", file=sys.stderr)
     # Inherited through exec: a stop request cannot kill the task before the trainer installs its handlers
     # (or after it removed them, during the final save), and helper processes forked before that, such as
     # DataLoader workers, ignore them too: Slurm signals every process of a step, not just the task.
@@ -282,19 +314,68 @@ def _write_state(run_dir: Path, state: dict) -> None:
 
 
 def begin(run_dir: Path, job_id: str) -> dict:
-    """Record the ``last_exit.json`` already present, so ``decide`` can tell a fresh one from a stale one."""
+    """Record the ``last_exit.json`` and NCCL dumps already present, so ``decide`` can tell fresh ones from
+    stale ones."""
     state = _read_state(run_dir)
     if state.get("job_id") != job_id:  # a new job (not a requeue of the same one): its own restart budget
         state = {"job_id": job_id, "failures": 0}
     state["last_exit_before"] = _snapshot(run_dir / "last_exit.json")
+    state["nccl_dumps_before"] = _dump_stamps(run_dir)
     state["attempt_started"] = time.time()
     _write_state(run_dir, state)
     return state
 
 
+def _dump_stamps(run_dir: Path) -> dict[str, list[int]]:
+    """NCCL flight-recorder dumps in the run dir: name -> [mtime_ns, size]."""
+    stamps = {}
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return {}
+    for path in entries:
+        if NCCL_DUMP.fullmatch(path.name):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            stamps[path.name] = [st.st_mtime_ns, st.st_size]
+    return stamps
+
+
+def fresh_nccl_dumps(run_dir: Path, state: dict) -> list[Path]:
+    """The flight-recorder dumps this attempt wrote (new or changed since ``begin``; without that
+    snapshot, modified after the attempt started), in rank order."""
+    now = _dump_stamps(run_dir)
+    if "nccl_dumps_before" in state:
+        before = state["nccl_dumps_before"] or {}
+        fresh = [name for name, stamp in now.items() if before.get(name) != stamp]
+    else:
+        started_ns = int(float(state.get("attempt_started") or 0) * 1e9)
+        fresh = [name for name, (mtime_ns, _) in now.items() if mtime_ns >= started_ns]
+    return [run_dir / n for n in sorted(fresh, key=lambda n: int(NCCL_DUMP.fullmatch(n).group(1)))]
+
+
+def nccl_timeout_reason(run_dir: Path, dumps: list[Path]) -> str:
+    """What the attempt record says when NCCL's watchdog dumped its flight recorder."""
+    ranks = ", ".join(NCCL_DUMP.fullmatch(p.name).group(1) for p in dumps)
+    return (
+        f"a collective timed out (NCCL's watchdog tore the process down): flight-recorder dumps of "
+        f"rank(s) {ranks} at {run_dir}/nccl_trace_rank_<rank> (read them with `torchfrtrace {run_dir} "
+        f"--prefix nccl_trace_rank_`)"
+    )
+
+
 def read_outcome(run_dir: Path, exit_code: int, before: dict | None, mode: str) -> Outcome:
     """This attempt's outcome: the trainer's ``last_exit.json`` if it wrote one during this attempt,
-    otherwise the step's exit code (srun keeps a task's 75; under torchrun a worker's 75 becomes 1)."""
+    whatever the step's exit code, otherwise the step's exit code (srun keeps a task's 75; under torchrun
+    a worker's 75 becomes 1).
+
+    A fresh record is trusted over the exit code because rank 0 writes it before any rank leaves the
+    final barrier: a step that srun ended with 137 or 143 after that (``--kill-on-bad-exit`` and a task
+    still exiting) stopped where the record says. A ``latest`` checkpoint newer than the attempt is not
+    taken as a checkpointed stop: a periodic save followed by a crash leaves one too, and a crash loop
+    must spend the restart budget."""
     path = run_dir / "last_exit.json"
     now = _snapshot(path)
     if now is not None and now != before:
@@ -332,8 +413,13 @@ def decide(
     """(action, message) after an attempt; updates the failure count and the attempts log."""
     state = _read_state(run_dir)
     if state.get("job_id") != job_id:
-        state = {"job_id": job_id, "failures": 0, "last_exit_before": state.get("last_exit_before")}
+        kept = ("last_exit_before", "nccl_dumps_before")
+        state = {"job_id": job_id, "failures": 0, **{k: state[k] for k in kept if k in state}}
     outcome = read_outcome(run_dir, exit_code, state.get("last_exit_before"), mode)
+    dumps = fresh_nccl_dumps(run_dir, state)
+    if outcome.status == "failed" and dumps:
+        hang = nccl_timeout_reason(run_dir, dumps)
+        outcome.reason = hang if outcome.source == "exit code" else f"{outcome.reason}; {hang}"
     where = f"step {outcome.step}" if outcome.step is not None else "an unknown step"
     if outcome.status == "finished":
         action, message = "done", f"training finished at {where}"
@@ -369,7 +455,9 @@ def decide(
         "reason": outcome.reason,
         "step": outcome.step,
         "exit_code": outcome.exit_code,
+        "step_exit_code": exit_code,
         "source": outcome.source,
+        "nccl_dumps": [str(p) for p in dumps],
         "failures": state.get("failures", 0),
         "action": action,
     }
@@ -378,6 +466,7 @@ def decide(
     with open(log, "a") as f:
         f.write(json.dumps(record) + "\n")
     state["last_exit_before"] = _snapshot(run_dir / "last_exit.json")
+    state["nccl_dumps_before"] = _dump_stamps(run_dir)
     _write_state(run_dir, state)
     return action, message
 

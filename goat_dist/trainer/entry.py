@@ -32,7 +32,13 @@ def run(cfg: Config) -> RunState:
 
     Rank 0 records how the process ended in ``<run_dir>/last_exit.json`` (``status`` finished,
     checkpointed or failed, ``reason``, ``step``, ``exit_code``): a job script decides on requeueing from
-    it, since a launcher such as torchrun replaces the workers' exit codes with its own."""
+    it, since a launcher such as torchrun replaces the workers' exit codes with its own.
+
+    After a finished or checkpointed run the record is written (and fsynced) before the final barrier,
+    so it is on disk before any rank can exit: ``srun --kill-on-bad-exit=1`` ends a whole step when one
+    task exits non-zero, and a rank 0 still writing would die without a record. For the same reason
+    only rank 0 exits 75 after a checkpointed stop (``process_exit_code``, which the command line exits
+    with); the other ranks exit 0."""
     trainer = None
     try:
         check_data_sources(cfg)
@@ -45,12 +51,25 @@ def run(cfg: Config) -> RunState:
         reason = lost or f"{type(e).__name__}: {e}"
         _record_exit(cfg, "failed", reason, step, exit_code_for(e), any_rank=lost is not None)
         raise
-    distributed.teardown()
     if state.stop_requested:
         _record_exit(cfg, "checkpointed", state.stop_requested, state.step, EXIT_CHECKPOINTED)
     else:
         _record_exit(cfg, "finished", None, state.step, 0)
+    distributed.teardown()  # its barrier: no rank leaves before rank 0's record is on disk
     return state
+
+
+def process_exit_code(state: RunState) -> int:
+    """This process's exit code after a run that did not fail: 0, or ``EXIT_CHECKPOINTED`` (75) on rank 0
+    after a checkpointed stop. The record carries 75 for the whole world; a non-zero code from another
+    rank would make ``srun --kill-on-bad-exit=1`` kill rank 0 (and torchrun stop it) while it exits."""
+    if state.stop_requested and _rank() == 0:
+        return EXIT_CHECKPOINTED
+    return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 # errors that are the user's to fix (config, layout, checkpoint, data): exit 2, like a usage error
@@ -167,7 +186,7 @@ def _record_exit(
     """Rank 0 writes the record. With ``any_rank`` (a collective that lost a peer: rank 0 itself may be
     the frozen or dead one) another rank writes it too, unless rank 0 records a failure within
     ``QUIET_RANK_GRACE_S``."""
-    if int(os.environ.get("RANK", "0")) != 0 and (not any_rank or _failure_recorded(cfg.run_dir)):
+    if _rank() != 0 and (not any_rank or _failure_recorded(cfg.run_dir)):
         return
     record = {"status": status, "reason": reason, "step": step, "exit_code": exit_code, "time": time.time()}
     try:

@@ -2,7 +2,8 @@
 
 SIGTERM and SIGUSR1 (what Slurm sends before a preemption or time limit) and a first SIGINT only set a
 flag; the flag travels in the step's one collective (``control.agree``), so at the next step boundary
-all ranks agree, save a checkpoint and exit with ``EXIT_CHECKPOINTED`` so that a job script can requeue.
+all ranks agree and save a checkpoint; ``last_exit.json`` then carries ``EXIT_CHECKPOINTED`` so that a
+job script can requeue, and rank 0 exits with it (the other ranks exit 0: ``entry.process_exit_code``).
 A second SIGINT aborts at once.
 
 Hangs: while installed, every thread's Python stack goes to stderr when one step runs longer than

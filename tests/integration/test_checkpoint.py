@@ -114,8 +114,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, builtin_cache):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_saves_and_exits_with_requeue_code(nproc, tmp_path, builtin_cache):
     """SIGTERM reaches every training process (as Slurm delivers it to all tasks of a job step): they agree
-    at the next step boundary, publish a checkpoint and exit 75. Under torchrun the launcher itself then
-    reports the workers' failure (its exit code is 1; the workers' 75 is in its report)."""
+    at the next step boundary and publish a checkpoint; rank 0 exits 75, the others 0. Under torchrun the
+    launcher then reports rank 0's exit as a failure (its exit code is 1; the 75 is in its report)."""
     import psutil
 
     run_dir = tmp_path / "run"

@@ -167,11 +167,15 @@ def plain(cluster, jobdir, builtin_cache):
 
 
 def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, jobdir, builtin_cache, plain):
+    """Preempted at step 8 or later, requeued, resumed to the uninterrupted run's losses exactly. Rank 0's
+    ``last_exit.json`` is written 5 s late and a SIGTERM kills at once (``harness.exit_faults``): the stop
+    still counts as checkpointed, because the record is on disk before any rank leaves the final barrier
+    and only rank 0 exits non-zero (75)."""
     run_dir = jobdir / "preempted"
     args = ["--nodes=1", "--ntasks-per-node=2", "slurm/train.sbatch", CONFIG]
-    job, log = submit(
-        cluster, jobdir, [*args, *tiny(builtin_cache, "train.max_steps=40", f"run.dir={run_dir}")]
-    )
+    late = "train.callbacks=[harness.exit_faults:SlowExitRecord:5]"
+    overrides = tiny(builtin_cache, "train.max_steps=40", f"run.dir={run_dir}", late)
+    job, log = submit(cluster, jobdir, [*args, *overrides], env=job_env(cluster, **fault_env()))
     wait_for(lambda: logged_steps(run_dir) >= 8, 240, f"job {job} to reach step 8:\n{log_text(log)[-3000:]}")
     preempt(cluster, job, run_dir, ntasks=2)
     signalled = time.time()
@@ -188,6 +192,9 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, jobdir, bu
     assert rest[-1]["status"] == "finished" and rest[-1]["step"] == 40
     text = log_text(log)
     assert "got SIGUSR1" in text and f"resumed from {run_dir / 'checkpoints'}" in text
+    assert "task 1: Exited with exit code" not in text  # rank 1 exited 0 after the stop
+    assert "FA4 kernel cache: " in text and "kernel cache is off" not in text
+    print(f"\nstop: srun exit code {first['step_exit_code']}, record exit code {first['exit_code']}")
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
 
     plain_job, plain_log, plain_dir = plain

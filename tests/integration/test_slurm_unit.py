@@ -197,6 +197,35 @@ def test_exec_sets_env_and_ignores_usr1(tmp_path):
     }
 
 
+def test_exec_turns_fa4s_cache_off_in_a_directory_others_can_write(tmp_path):
+    """FA4 loads compiled code from its cache: in /tmp, the directory must be this user's alone."""
+    assert gs.private_dir_problem(tmp_path / "mine") is None
+    assert (tmp_path / "mine").stat().st_mode & 0o777 == 0o700  # made private where absent
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    assert "writable by other users" in gs.private_dir_problem(shared)
+    (tmp_path / "link").symlink_to(tmp_path / "mine")
+    assert "not a directory" in gs.private_dir_problem(tmp_path / "link")
+
+    env = {**fake_job("gpu[07-08]", 2, 4)[4], "PATH": os.environ["PATH"], "GOAT_SLURM_HOSTS": "gpu07 gpu08"}
+    probe = "import os; print(os.environ['FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED'])"
+    helper = [
+        sys.executable,
+        str(ROOT / "slurm" / "goat_slurm.py"),
+        "exec",
+        "--",
+        sys.executable,
+        "-c",
+        probe,
+    ]
+    for private, enabled in ((tmp_path / "mine", "1"), (shared, "0")):
+        env.update(GOAT_PRIVATE_DIR=str(private), FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1")
+        out = subprocess.run(helper, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == enabled, out.stderr
+    assert "FA4's kernel cache is off on this node" in out.stderr  # task 4 is local rank 0 of node 1
+
+
 def test_exec_reports_a_broken_env():
     out = subprocess.run(
         [sys.executable, str(ROOT / "slurm" / "goat_slurm.py"), "exec", "--", "true"],
@@ -276,6 +305,117 @@ def test_exit_code_fallback_without_last_exit(tmp_path):
     assert attempt(tmp_path, None, exit_code=0)[0] == "done"
     assert attempt(tmp_path, None, exit_code=75)[0] == "requeue"
     assert attempt(tmp_path, None, exit_code=75, mode="local", job="200")[0] == "requeue"  # a failure there
+
+
+def test_a_recorded_stop_is_checkpointed_whatever_srun_returned(tmp_path):
+    """Rank 0 writes its record before any rank leaves the final barrier; a task still exiting after that
+    may be killed by ``srun --kill-on-bad-exit`` (srun returns 137, or 143 for a SIGTERM): still a
+    checkpointed stop, requeued without spending the restart budget. Both exit codes are logged."""
+    for step_code in (137, 143):
+        gs.begin(tmp_path, "100")
+        write_exit(tmp_path, "checkpointed", reason="SIGUSR1", exit_code=75)
+        action, message = gs.decide(tmp_path, step_code, 0, "100")
+        assert action == "requeue" and "checkpointed at step 10 (reason: SIGUSR1)" in message
+        last = json.loads((tmp_path / "slurm" / "attempts.jsonl").read_text().splitlines()[-1])
+        assert (last["status"], last["exit_code"], last["step_exit_code"]) == ("checkpointed", 75, step_code)
+        assert last["source"] == "last_exit.json" and last["failures"] == 0
+    # the same kill before rank 0 wrote (the order this guards against): no fresh record, a failure
+    assert attempt(tmp_path, None, exit_code=137, max_restarts=0)[0] == "give-up"
+
+
+def test_an_nccl_timeout_is_named_with_its_flight_recorder_dumps(tmp_path):
+    """NCCL's watchdog tears a process down without Python running: no record says why, but the flight
+    recorder's dumps (<run_dir>/nccl_trace_rank_<r>) are there; the attempt record names them. Dumps of
+    an earlier attempt, and files that only look alike, are not this attempt's."""
+    (tmp_path / "nccl_trace_rank_3").write_bytes(b"an earlier attempt's")
+    gs.begin(tmp_path, "100")
+    (tmp_path / "nccl_trace_rank_1").write_bytes(b"dump")
+    (tmp_path / "nccl_trace_rank_0").write_bytes(b"dump")
+    (tmp_path / "nccl_trace_rank_2.pipe").write_bytes(b"")
+    action, message = gs.decide(tmp_path, 134, 3, "100")  # SIGABRT from the watchdog, no last_exit.json
+    assert action == "requeue" and "a collective timed out (NCCL's watchdog" in message
+    last = json.loads((tmp_path / "slurm" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert last["status"] == "failed" and last["failures"] == 1
+    assert last["nccl_dumps"] == [str(tmp_path / "nccl_trace_rank_0"), str(tmp_path / "nccl_trace_rank_1")]
+    assert f"rank(s) 0, 1 at {tmp_path}/nccl_trace_rank_<rank>" in last["reason"]
+
+    # a rank that recorded a failure of its own: the dumps are added to its reason
+    gs.begin(tmp_path, "100")
+    write_exit(tmp_path, "failed", reason="RuntimeError: NCCL communicator was aborted", exit_code=1)
+    (tmp_path / "nccl_trace_rank_3").write_bytes(b"this attempt's dump")
+    gs.decide(tmp_path, 1, 3, "100")
+    last = json.loads((tmp_path / "slurm" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert last["reason"].startswith("RuntimeError: NCCL communicator was aborted; a collective timed out")
+    assert last["nccl_dumps"] == [str(tmp_path / "nccl_trace_rank_3")]
+
+    # nothing new: nothing named; a finished attempt is finished
+    gs.begin(tmp_path, "100")
+    write_exit(tmp_path, "finished")
+    assert gs.decide(tmp_path, 0, 3, "100")[0] == "done"
+    last = json.loads((tmp_path / "slurm" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert last["nccl_dumps"] == []
+
+
+def test_nccl_dumps_without_a_snapshot_count_from_the_attempt_start(tmp_path):
+    """A state file written before dumps were snapshotted: a dump modified after the attempt started is
+    this attempt's, an older one is not."""
+    (tmp_path / "slurm").mkdir()
+    started = 1_700_000_000.0
+    state = {"job_id": "100", "failures": 0, "last_exit_before": None, "attempt_started": started}
+    (tmp_path / "slurm" / "state.json").write_text(json.dumps(state))
+    for rank, mtime in ((0, started - 60), (1, started + 600)):
+        dump = tmp_path / f"nccl_trace_rank_{rank}"
+        dump.write_bytes(b"dump")
+        os.utime(dump, (mtime, mtime))
+    assert gs.fresh_nccl_dumps(tmp_path, state) == [tmp_path / "nccl_trace_rank_1"]
+
+
+def test_train_sbatch_keeps_fa4_kernels_on_disk_unless_the_site_chose(tmp_path):
+    """FA4's compile cache is on (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1) in a node-local directory
+    (GOAT_SCRATCH, else /tmp), exported to every step; what the site file or the submitting shell set
+    wins. Seen by the first command the script runs (the run-dir helper, here a stand-in)."""
+    seen = tmp_path / "seen.env"
+    python = tmp_path / "python"
+    python.write_text(
+        f"#!/bin/sh\nenv | grep -E '^(FLASH_ATTENTION_CUTE_DSL|GOAT_PRIVATE)' | sort > {seen}\nexit 2\n"
+    )
+    python.chmod(0o755)
+
+    def exported(site: str = "", **env) -> dict:
+        (tmp_path / "site.env").write_text(site)
+        theirs = ("SLURM_", "FLASH_ATTENTION_", "GOAT_")  # this shell's own choices would hide the defaults
+        base = {k: v for k, v in os.environ.items() if not k.startswith(theirs)}
+        base.update(SLURM_JOB_ID="1", GOAT_PYTHON=str(python), GOAT_SITE_ENV=str(tmp_path / "site.env"))
+        out = subprocess.run(
+            ["bash", "slurm/train.sbatch", "configs/tiny.yaml"],
+            env={**base, **env},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2 and seen.exists(), out.stderr
+        return dict(line.split("=", 1) for line in seen.read_text().splitlines())
+
+    scratch = tmp_path / "scratch"
+    assert exported(GOAT_SCRATCH=str(scratch)) == {
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"{scratch}/fa4-cache",
+    }
+    user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    assert exported() == {  # in /tmp: a directory of this user's alone, checked by every task
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"/tmp/goat-dist-{user}/fa4-cache",
+        "GOAT_PRIVATE_DIR": f"/tmp/goat-dist-{user}",
+    }
+    site = "export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/shared/fa4\n"
+    site += "export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0\n"
+    assert exported(site, GOAT_SCRATCH=str(scratch)) == {
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/shared/fa4",
+    }
+    from_login = exported(FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/login/fa4")
+    assert from_login["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/login/fa4"
 
 
 def test_decide_cli(tmp_path):
