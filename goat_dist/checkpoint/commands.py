@@ -1,4 +1,4 @@
-"""``goat-dist ckpt inspect|export`` and ``goat-dist generate``."""
+"""``goat-dist ckpt inspect|verify|export`` and ``goat-dist generate``."""
 
 from __future__ import annotations
 
@@ -35,10 +35,27 @@ def cmd_inspect(args) -> int:
     return 0 if info["valid"] else 1
 
 
+def cmd_verify(args) -> int:
+    """Every file of the checkpoint against its manifest (size and sha256); a problem is a CheckpointError
+    naming the file (exit 2)."""
+    from .export import resolve_step_dir
+    from .manager import verify
+
+    step_dir = resolve_step_dir(args.path)
+    manifest = verify(step_dir, checksums=True)
+    files = manifest["files"]
+    size = sum(int(f["bytes"]) for f in files.values())
+    print(
+        f"OK: checkpoint {step_dir} (step {manifest.get('step')}): {len(files)} files, {size:,} bytes; "
+        "every size and sha256 matches its manifest"
+    )
+    return 0
+
+
 def cmd_export(args) -> int:
     from .export import export
 
-    out = export(args.path, args.out, dtype=args.dtype, fmt=args.format)
+    out = export(args.path, args.out, dtype=args.dtype, fmt=args.format, force=args.force)
     print(f"exported {args.path} -> {out} ({args.dtype}, {args.format} format)")
     return 0
 
@@ -112,7 +129,7 @@ def cmd_generate(args) -> int:
 
 
 def register(sub) -> None:
-    ckpt = sub.add_parser("ckpt", help="inspect or export checkpoints").add_subparsers(
+    ckpt = sub.add_parser("ckpt", help="inspect, verify or export checkpoints").add_subparsers(
         dest="ckpt", required=True
     )
     p = ckpt.add_parser("inspect", help="step, layout, tokens, sizes and validity of a checkpoint")
@@ -120,9 +137,19 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
     p.set_defaults(func=cmd_inspect)
+    p = ckpt.add_parser(
+        "verify", help="check every file's size and sha256 against the manifest: OK, or the corrupt file"
+    )
+    p.add_argument("path", help="a run dir (its latest checkpoint), its checkpoints/ dir, or one step_* dir")
+    p.set_defaults(func=cmd_verify)
     p = ckpt.add_parser("export", help="consolidated weights: model.safetensors + config.json")
     p.add_argument("path")
-    p.add_argument("out")
+    p.add_argument("out", help="a new or empty directory (a non-empty one is refused; see --force)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it is a previous export (only: a run dir or any other directory is refused)",
+    )
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
     p.add_argument(
         "--format",

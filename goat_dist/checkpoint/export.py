@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from data_tools.shard_format import TOKENIZER_NAME
 
+from ..atomic import sha256_file
 from ..optim import is_prior
 from . import universal
 from .manager import MANIFEST, STATE, CheckpointError, verify
@@ -61,8 +62,13 @@ def inspect(path: str | Path, checksums: bool = True) -> dict:
 
 
 def _tokenizer_of(config: dict) -> Path | None:
+    """The tokenizer file of the run's data set (a mixture's first source: every source shares one)."""
     data = config.get("data", {})
-    if data.get("source") == "builtin" and not data.get("sources"):
+    sources = data.get("sources") or []
+    if sources:
+        first = sources[0].get("path", "") if isinstance(sources[0], dict) else ""
+        candidate = Path(str(first)).expanduser()
+    elif data.get("source") == "builtin":
         from data_tools.builtin import builtin_dataset_dir
 
         candidate = builtin_dataset_dir(
@@ -74,6 +80,85 @@ def _tokenizer_of(config: dict) -> Path | None:
         candidate = Path(data.get("source", "")).expanduser()
     path = candidate / TOKENIZER_NAME
     return path if path.is_file() else None
+
+
+def _check_tokenizer(tokenizer: Path, state: dict) -> None:
+    """The tokenizer file found must be the one training used (the data contract's ``tokenizer_sha256``):
+    a data set re-prepared in place since would otherwise ship another tokenizer with these weights."""
+    trained = (state.get("data_contract") or {}).get("tokenizer_sha256")
+    if not trained:
+        return
+    trained = [trained] if isinstance(trained, str) else list(trained)
+    found = sha256_file(tokenizer)
+    if found not in trained:
+        raise CheckpointError(
+            f"{tokenizer} (sha256 {found[:12]}) is not the tokenizer this checkpoint was trained with "
+            f"(sha256 {', '.join(t[:12] for t in trained)}, recorded in its data contract): the data set was "
+            "re-prepared since. Restore that data set's tokenizer.json, then export again"
+        )
+
+
+MARKER = "goat_export.json"  # written into every export: what ``--force`` may replace
+
+
+def _entries(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _previous_export(out: Path) -> tuple[bool, list[str]]:
+    """(whether ``out`` is an export this command wrote, the entries in it that the export did not write)."""
+    try:
+        marker = json.loads((out / MARKER).read_text())
+        written = set(marker["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, []
+    return True, [e for e in _entries(out) if e != MARKER and e not in written]
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an ``out`` the export would destroy: anything but a new or empty directory, or with
+    ``force`` a previous export holding nothing but what that export wrote. Nothing is written."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise CheckpointError(f"export: {out} exists and is not a directory; choose a new or empty directory")
+    if not out.exists():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    export, extra = _previous_export(out)
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    if not export:
+        raise CheckpointError(
+            f"export: {out} is not empty ({shown}) and is not a `goat-dist ckpt export` directory (it has no "
+            f"{MARKER}); nothing was written. Choose a new or empty directory (--force replaces only a "
+            "previous export)"
+        )
+    if extra:
+        raise CheckpointError(
+            f"export: {out} is a previous export but also holds {', '.join(extra[:5])}, which the export "
+            "did not write; nothing was written. Move those out, or choose a new directory"
+        )
+    if not force:
+        raise CheckpointError(
+            f"export: {out} holds a previous export; pass --force to replace it, or choose a new directory"
+        )
+
+
+def _put_in_place(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``: over nothing or an empty directory, or (``force``) over a
+    previous export, which is renamed aside first and removed only once the new one is in place."""
+    check_out(out, force)  # again: something may have been put there while the export was written
+    if not out.exists() or not any(out.iterdir()):
+        os.replace(tmp, out)  # an empty directory is replaced by the rename
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced.", dir=out.parent))
+    os.replace(out, old)  # ``old`` is an empty directory: replaced by the rename
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old)
 
 
 def export_dtype(name: str, target: torch.dtype) -> torch.dtype:
@@ -106,8 +191,15 @@ def _readable(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-def export(path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "goat") -> Path:
-    """Write the consolidated weights of a checkpoint to ``out``. Atomic: built in a temp dir.
+def export(
+    path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "goat", force: bool = False
+) -> Path:
+    """Write the consolidated weights of a checkpoint to ``out``. Atomic: built in a temp dir beside
+    ``out``, then renamed into place.
+
+    ``out`` must be new or an empty directory; with ``force`` it may also be a previous export (its
+    ``goat_export.json`` lists what it wrote, and nothing else may be there), which is replaced. Anything
+    else (a run directory, the working directory) is refused before any work, and again before the rename.
 
     ``fmt="goat"``: ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the
     model section of the run's config) and, when found, ``out/tokenizer.json``, for ``load_exported``.
@@ -119,20 +211,23 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "g
         raise ValueError(f"export format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"export dtype {dtype!r}: expected fp32 or bf16")
+    out = Path(os.path.abspath(out))  # "." has no name to build a temp dir beside
+    check_out(out, force)
     step_dir = resolve_step_dir(path)
     verify(step_dir)
     universal.require_state(step_dir, "export it")
     config = yaml.safe_load((step_dir / "config.yaml").read_text())
+    state = json.loads((step_dir / STATE).read_text())
+    tokenizer = _tokenizer_of(config)
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer, state)
     full, _ = universal.read_full(step_dir, ("",))
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tensors = {name: t[""].to(export_dtype(name, target)).contiguous() for name, t in full.items()}
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        step = json.loads((step_dir / STATE).read_text())["step"]
-        metadata = {"step": str(step), "dtype": dtype}
-        tokenizer = _tokenizer_of(config)
+        metadata = {"step": str(state["step"]), "dtype": dtype}
         if fmt == "hf":
             from .hf_export import write_hf
 
@@ -142,10 +237,17 @@ def export(path: str | Path, out: str | Path, dtype: str = "fp32", fmt: str = "g
             (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
             if tokenizer is not None:
                 shutil.copy(tokenizer, tmp / TOKENIZER_NAME)
+        marker = {
+            "written_by": "goat-dist ckpt export",
+            "format": fmt,
+            "dtype": dtype,
+            "checkpoint": str(step_dir),
+            "step": state["step"],
+            "files": _entries(tmp),
+        }
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         _readable(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _put_in_place(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

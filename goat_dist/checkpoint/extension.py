@@ -65,12 +65,15 @@ def agree_on_source(init_from: str) -> Path:
     return agree_on_checkpoint(mine, lambda: None, key="train.init_from")  # an error names that key
 
 
-def init_weights(engine, model, step_dir: Path, optimizer: bool) -> dict:
+def init_weights(engine, model, step_dir: Path, optimizer: bool, contract: dict | None = None) -> dict:
     """Collective: this run's weights (and with ``optimizer`` Adam's moments and step count) from
-    ``step_dir``'s universal state; the run's own step, data and LR schedule are untouched."""
+    ``step_dir``'s universal state; the run's own step, data and LR schedule are untouched.
+
+    A checkpoint of another model shape is refused naming the config keys that differ; with ``contract``
+    (this run's data contract) one trained with another tokenizer is refused (``compat``)."""
     import json
 
-    from . import universal
+    from . import compat, universal
     from .manager import verify
 
     step_dir = Path(step_dir)
@@ -81,9 +84,15 @@ def init_weights(engine, model, step_dir: Path, optimizer: bool) -> dict:
     except CheckpointError as e:
         error = str(e)
     raise_everywhere(error)
-    step = json.loads((step_dir / STATE).read_text())["step"]
+    state = json.loads((step_dir / STATE).read_text())
+    step = state["step"]
+    current = getattr(model, "cfg", None)  # the model's ModelConfig
+    compat.check_tokenizer(step_dir, state, contract, current, compat.INIT_FROM)
     keys = universal.KEYS if optimizer else ("",)
-    universal.load(
-        engine, model, step_dir, step, keys=keys, adam_step=step if optimizer else 0, schedule=False
-    )
+    try:
+        universal.load(
+            engine, model, step_dir, step, keys=keys, adam_step=step if optimizer else 0, schedule=False
+        )
+    except universal.ModelMismatch as e:
+        raise CheckpointError(compat.model_change(step_dir, current, e.problems, compat.INIT_FROM)) from None
     return {"path": str(step_dir), "step": step, "optimizer": optimizer}

@@ -180,10 +180,27 @@ def _remote_config(cfg, dtype: str, special: dict) -> dict:
     }
 
 
+# post-processors that add special tokens around a sequence (a BOS, a CLS/SEP); ``data prepare`` encoded
+# with ``add_special_tokens=False``, so training never saw them
+ADDING = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def without_added_tokens(post: dict | None) -> dict | None:
+    """``post`` (a tokenizer.json ``post_processor``) minus the parts that add special tokens; what
+    remains (ByteLevel's offset trimming) changes no id."""
+    if not isinstance(post, dict) or post.get("type") in ADDING:
+        return None
+    if post.get("type") == "Sequence":
+        kept = [q for q in (without_added_tokens(p) for p in post.get("processors") or []) if q is not None]
+        return None if not kept else kept[0] if len(kept) == 1 else {**post, "processors": kept}
+    return post
+
+
 def _special_tokens(tokenizer: Path | None) -> dict:
     """eos/bos of the data's tokenizer: the data set manifest's ``eos_id`` (the token that ended every
     training document), else the token the file declares. Documents were separated by EOS alone, so it is
-    also what preceded every document: it serves as BOS too (the GPT-2 convention)."""
+    also what preceded every document: it serves as BOS too (the GPT-2 convention), for ``generate()``
+    without a prompt; the tokenizer never adds it (``write_tokenizer``)."""
     if tokenizer is None:
         return {}
     from tokenizers import Tokenizer
@@ -239,11 +256,31 @@ def write_hf(
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE_DIR / name, dest / name)
     if tokenizer is not None:
+        write_tokenizer(dest, tokenizer, special, cfg.seq_len)
+
+
+def write_tokenizer(dest: Path, tokenizer: Path, special: dict, seq_len: int) -> None:
+    """The tokenizer files ``AutoTokenizer`` reads, encoding a text to the ids ``data prepare`` gave it:
+    no special token added around it (a Llama/Mistral file's post-processor prepends ``<s>``, which
+    training never saw: it is dropped, and ``add_bos_token``/``add_eos_token`` are false), and a special
+    token's string inside the text stays text (``split_special_tokens``, as prepare encoded it)."""
+    data = json.loads(tokenizer.read_text(encoding="utf-8"))
+    post = without_added_tokens(data.get("post_processor"))
+    if post == data.get("post_processor"):
         shutil.copyfile(tokenizer, dest / TOKENIZER_NAME)
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
-        if special:
-            tok_config.update(bos_token=special["token"], eos_token=special["token"])
-        (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-        if special:
-            tokens = {"bos_token": special["token"], "eos_token": special["token"]}
-            (dest / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
+    else:
+        data["post_processor"] = post
+        (dest / TOKENIZER_NAME).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": seq_len,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+    }
+    if special:
+        tok_config.update(bos_token=special["token"], eos_token=special["token"])
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    if special:
+        tokens = {"bos_token": special["token"], "eos_token": special["token"]}
+        (dest / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")

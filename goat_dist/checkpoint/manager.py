@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..atomic import atomic_write_text
-from . import lineage, rng, universal
+from . import compat, lineage, rng, space, universal
 from .digests import digest, digest_files, listing, raise_everywhere, verify
 from .errors import CheckpointError
 from .names import LATEST, MANIFEST, SAVE_COST, STALE, STATE, tag_for
@@ -133,10 +133,30 @@ class CheckpointManager:
         collectives.barrier()
         return step_dir
 
-    def _write_run_files(self, step_dir: Path, trainer_state: dict, config_text: str) -> None:
+    def _write_run_files(self, step_dir: Path, trainer_state: dict, config_text: str) -> str:
+        """Rank 0 writes the run state and config; returns what failed ("" when nothing did)."""
         if self.is_main:
-            atomic_write_text(step_dir / STATE, json.dumps(trainer_state, indent=1))
-            atomic_write_text(step_dir / "config.yaml", config_text)
+            for name, text in ((STATE, json.dumps(trainer_state, indent=1)), ("config.yaml", config_text)):
+                try:
+                    atomic_write_text(step_dir / name, text)
+                except OSError as e:
+                    return self._write_failure(step_dir, step_dir / name, e)
+        return ""
+
+    def _write_failure(self, step_dir: Path, path: Path, error: BaseException) -> str:
+        """The message for a failed write of ``path``: on a full disk, the directory, bytes needed and free,
+        and the checkpoint that stays ``latest`` (``space.write_failure``)."""
+        previous = self._published_bytes or None
+        if previous is None:
+            try:
+                previous = int(json.loads((self.root / SAVE_COST).read_text())["bytes"])
+            except (OSError, ValueError, KeyError, TypeError):
+                previous = None
+        try:
+            latest = (self.root / LATEST).read_text().strip() or None
+        except OSError:
+            latest = None
+        return space.write_failure(path, step_dir, error, previous, latest)
 
     def _tell(self, event: str, *args) -> None:
         for listener in self.listeners:
@@ -146,15 +166,29 @@ class CheckpointManager:
 
     def _publish(self, step_dir: Path, step: int, known: dict, error: str) -> None:
         """Collective, once every rank's files are on disk (or a write failed: ``error``): digests in
-        parallel, then rank 0 writes the manifest, ``latest`` and prunes."""
-        files = digest_files(step_dir, known, error)  # raises a write failure on every rank
-        self._tell("shards_written", step_dir, step)
-        if self.is_main:
-            write_manifest(step_dir, {"step": step, "saved_at": time.time()}, files=files)
-            atomic_write_text(self.root / LATEST, step_dir.name)
-            self._published_bytes = sum(int(f["bytes"]) for f in files.values())
-            lineage.prune(self.root, step_dir.name, self.keep_last)
-        collectives.barrier()
+        parallel, then rank 0 writes the manifest, ``latest`` and prunes. A failure anywhere is raised on
+        every rank; rank 0 then removes the unpublished step directory (only this save wrote it; on a full
+        disk it holds the space the next attempt needs) and ``latest`` still names the previous one."""
+        try:
+            files = digest_files(step_dir, known, error)  # raises a write failure on every rank
+            self._tell("shards_written", step_dir, step)
+            problem = ""
+            if self.is_main:
+                target = step_dir / MANIFEST
+                try:
+                    write_manifest(step_dir, {"step": step, "saved_at": time.time()}, files=files)
+                    target = self.root / LATEST
+                    atomic_write_text(target, step_dir.name)
+                except OSError as e:
+                    problem = self._write_failure(step_dir, target, e)
+                else:
+                    self._published_bytes = sum(int(f["bytes"]) for f in files.values())
+                    lineage.prune(self.root, step_dir.name, self.keep_last)
+            raise_everywhere(problem)  # also the barrier: every rank waits for the publish
+        except CheckpointError:
+            if self.is_main:
+                shutil.rmtree(step_dir, ignore_errors=True)
+            raise
         self.parent = step_dir.name
         self._tell("published", step_dir, step)
 
@@ -164,13 +198,21 @@ class CheckpointManager:
         started = time.perf_counter()
         step = trainer_state["step"]
         step_dir = self._begin_save(trainer_state)
-        known = universal.save(engine, engine.module, step_dir, step)
-        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
-        torch.save(rng.capture(), rng_file)
-        known[rng_file.name] = digest(rng_file)
-        self._write_run_files(step_dir, trainer_state, config_text)
+        known, error = {}, ""
+        # a failed write (a full disk) is not raised here: every rank reaches the publish, which raises it
+        # on all of them (raising on one rank alone would leave the others waiting in a collective)
+        target = step_dir / "universal" / universal.file_name(dist.get_rank())
+        try:
+            known = universal.save(engine, engine.module, step_dir, step)
+            target = step_dir / f"rng_rank{dist.get_rank()}.pt"
+            with open(target, "wb") as f:  # a file object: a write failure is an OSError, not torch's own
+                torch.save(rng.capture(), f)
+            known[target.name] = digest(target)
+        except OSError as e:
+            error = self._write_failure(step_dir, getattr(e, "filename", None) or target, e)
+        error = self._write_run_files(step_dir, trainer_state, config_text) or error
         collectives.barrier()  # every shard is on disk
-        self._publish(step_dir, step, known, "")
+        self._publish(step_dir, step, known, error)
         self.last_save_s = trainer_state["last_save_s"] = time.perf_counter() - started
         self._record_cost(step)
         return step_dir
@@ -186,10 +228,11 @@ class CheckpointManager:
         step = trainer_state["step"]
         step_dir = self._begin_save(trainer_state)
         self._buffers = self._buffers or HostBuffers()
-        writer = BackgroundWriter(step_dir, self._buffers, self.listeners)
+        writer = BackgroundWriter(step_dir, self._buffers, self.listeners, describe=self._write_failure)
         stage_universal(engine, engine.module, step_dir, step, writer)
         queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
-        self._write_run_files(step_dir, trainer_state, config_text)
+        failed = self._write_run_files(step_dir, trainer_state, config_text)
+        writer.error = writer.error or failed  # raised on every rank when the save is published
         writer.start()
         paused = time.perf_counter() - started
         self.pending = PendingSave(step_dir, step, writer, started, paused)
@@ -228,7 +271,10 @@ class CheckpointManager:
         next attempt (a requeued job) budgets for it from its first step instead of guessing."""
         if self.is_main:
             cost = {"seconds": self.last_save_s, "bytes": self._published_bytes, "step": step}
-            atomic_write_text(self.root / SAVE_COST, json.dumps(cost) + "\n")
+            try:
+                atomic_write_text(self.root / SAVE_COST, json.dumps(cost) + "\n")
+            except OSError as e:  # the checkpoint is published; only the next deadline's estimate is lost
+                print(f"could not record the save's cost in {self.root / SAVE_COST}: {e}")
 
     def previous_save_s(self) -> float | None:
         """The seconds of the last save recorded in this run dir (an earlier attempt's), or None."""
@@ -239,8 +285,11 @@ class CheckpointManager:
         return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
 
     # ---- loading ----------------------------------------------------------------------------------
-    def load(self, engine, step_dir: Path, layout: dict) -> dict:
-        """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state."""
+    def load(self, engine, step_dir: Path, layout: dict, contract: dict | None = None) -> dict:
+        """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state.
+
+        A checkpoint of another model is refused naming the config keys that differ; with ``contract``
+        (this run's data contract) one trained with another tokenizer is refused first (``compat``)."""
         step_dir = Path(step_dir)
         verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
         state = json.loads((step_dir / STATE).read_text())
@@ -252,14 +301,17 @@ class CheckpointManager:
             error = str(e)
         raise_everywhere(error)
         universal.require_state(step_dir, "resume from it")
+        current = getattr(engine.module, "cfg", None)  # the model's ModelConfig
+        compat.check_tokenizer(step_dir, state, contract, current, compat.RESUME)
+        try:
+            universal.load(engine, engine.module, step_dir, state["step"])
+        except universal.ModelMismatch as e:
+            raise CheckpointError(compat.model_change(step_dir, current, e.problems, compat.RESUME)) from None
         saved = {k: state.get(k) for k in LAYOUT_KEYS}
         same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}
         if not same and self.is_main:
             changed = {k: f"{saved[k]} -> {layout.get(k)}" for k in LAYOUT_KEYS if saved[k] != layout.get(k)}
-            print(
-                f"checkpoint {step_dir}: layout differs ({changed}); re-splitting its state for this layout"
-            )
-        universal.load(engine, engine.module, step_dir, state["step"])
+            print(f"checkpoint {step_dir}: layout differs ({changed}); its state was re-split for it")
         if same and rng_state is not None:
             rng.restore(rng_state)
         return state

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .digests import digest
+from .space import write_failure
 
 __all__ = ["BackgroundWriter", "HostBuffers", "host_copy", "stage", "stage_universal"]
 
@@ -122,8 +123,11 @@ class BackgroundWriter:
     and sha256 (read back from disk), keyed by its name relative to the checkpoint directory; each
     listener's ``file_written(step_dir, name)`` hears of it, on this thread (``CheckpointManager``)."""
 
-    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, listeners=()):
+    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, listeners=(), describe=None):
+        """``describe(step_dir, path, error)``: the message for a failed write (default: ``space``'s,
+        which names the directory and the bytes needed and free on a full disk)."""
         self.step_dir = Path(step_dir)
+        self.describe = describe or (lambda step_dir, path, error: write_failure(path, step_dir, error))
         self.digests: dict[str, dict] = {}
         self.error = ""
         self.buffers = buffers or HostBuffers()
@@ -174,8 +178,7 @@ class BackgroundWriter:
                         if handler is not None:
                             handler(self.step_dir, name)
             except BaseException as e:  # noqa: BLE001 - reported to every rank when the save is finished
-                failure = f"{type(e).__name__}: {e}"
-                self.error = f"checkpoint {self.step_dir}: writing {path.name} failed: {failure}"
+                self.error = self.describe(self.step_dir, path, e)
             finally:
                 with self._lock:
                     self._pending -= 1
@@ -198,7 +201,8 @@ class BackgroundWriter:
 
 def _write_torch(obj, zipfile: bool):
     def write(path: Path) -> None:
-        torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
+        with open(path, "wb") as f:  # a file object: a write failure is an OSError, not torch's own
+            torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
 
     return write
 

@@ -58,11 +58,20 @@ def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> byte
 
 
 def write(path: Path, entries: list[Entry], metadata: dict[str, str] | None = None) -> dict:
-    """Write ``entries`` to ``path`` (fsynced); returns ``{"bytes", "sha256"}`` of what was written."""
+    """Write ``entries`` to ``path`` (fsynced); returns ``{"bytes", "sha256"}`` of what was written.
+    An OSError (a full disk) carries ``needed_bytes``, the file's size, for the message (``space``)."""
+    head = header(entries, metadata)
+    try:
+        return _write(path, head, entries)
+    except OSError as e:
+        e.needed_bytes = len(head) + sum(entry.nbytes for entry in entries)
+        raise
+
+
+def _write(path: Path, head: bytes, entries: list[Entry]) -> dict:
     digest = hashlib.sha256()
     size = 0
     with open(path, "wb") as f:
-        head = header(entries, metadata)
         f.write(head)
         digest.update(head)
         size += len(head)

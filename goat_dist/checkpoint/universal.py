@@ -49,7 +49,19 @@ from . import tensor_file
 from .errors import CheckpointError
 from .slices import UniversalReader, tensor_key
 
-__all__ = ["FORMAT", "MOMENTS", "load", "merge", "read_full", "require_state", "save", "split", "split_meta"]
+__all__ = [
+    "FORMAT",
+    "MOMENTS",
+    "ModelMismatch",
+    "load",
+    "merge",
+    "mismatches",
+    "read_full",
+    "require_state",
+    "save",
+    "split",
+    "split_meta",
+]
 
 FORMAT = 2
 
@@ -197,12 +209,13 @@ def load(
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_rank(),
     )
+    mismatched = mismatches(reader, model)
+    if mismatched:  # before anything is copied; the same on every rank (same model, same checkpoint)
+        raise ModelMismatch(mismatched, step_dir)
     masters = layout_of(engine)
     masters.prepare()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            reader.split_of(name)  # a parameter the checkpoint lacks is an error naming it
-            _check_shape(reader, name, p, step_dir)
             for owned in masters.owned(p):
                 for key in keys:
                     piece = reader.read_flat(name, key, owned.start, owned.numel)
@@ -221,16 +234,33 @@ def load(
         _set_schedule(engine.lr_scheduler, step if lr_step is None else int(lr_step))
 
 
-def _check_shape(reader: UniversalReader, name: str, p, step_dir: Path) -> None:
-    """The saved tensor, split for this layout, must have the parameter's (TP-local) shape: another
-    model.* section (or a learned position table of another model.seq_len) is an error naming it."""
-    want = full_shape(p)  # ZeRO-3: the shape before partitioning
-    got = reader.local_shape(name)
-    if got != want:
-        raise CheckpointError(
-            f"{step_dir}: parameter {name} has shape {got} there (this TP rank's slice) but {want} in this "
-            "model; the model sections differ"
-        )
+class ModelMismatch(CheckpointError):
+    """The checkpoint's tensors are not this model's: ``problems`` names each (missing, extra, or another
+    shape). The callers that know the run's config rephrase it as the config keys that changed
+    (``compat.model_change``)."""
+
+    def __init__(self, problems: list[str], step_dir: Path):
+        self.problems = problems
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        super().__init__(f"{step_dir}: its tensors are not this model's ({shown}); the model sections differ")
+
+
+def mismatches(reader: UniversalReader, model) -> list[str]:
+    """What keeps the checkpoint from filling ``model`` exactly: a parameter it lacks, one the model lacks
+    (it would be dropped silently), or a saved tensor whose slice for this layout has another shape."""
+    problems = []
+    saved = set(reader.meta["params"])
+    for name, p in model.named_parameters():
+        if name not in saved:
+            problems.append(f"no parameter {name} in the checkpoint")
+            continue
+        saved.discard(name)
+        want = full_shape(p)  # ZeRO-3: the shape before partitioning
+        got = reader.local_shape(name)
+        if got != want:
+            problems.append(f"{name} has shape {got} there (this TP rank's slice) but {want} here")
+    problems += [f"{name} is in the checkpoint but not in this model" for name in sorted(saved)]
+    return problems
 
 
 # ---- merging and re-splitting (whole tensors: export, tests) -------------------------------------------

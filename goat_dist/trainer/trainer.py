@@ -122,6 +122,7 @@ class Trainer:
                     self.engine.module,
                     self.init_source,
                     self.cfg.train.init_optimizer,
+                    contract=self.contract,
                 )
                 if self.layout.is_main:
                     carried = "weights and Adam state" if info["optimizer"] else "weights (Adam starts empty)"
@@ -130,7 +131,7 @@ class Trainer:
                         f"step 0, GOAT train_len {self.cfg.model.goat.train_len}"
                     )
             return None
-        saved = self.checkpoints.load(self.engine, path, self.layout_record())
+        saved = self.checkpoints.load(self.engine, path, self.layout_record(), contract=self.contract)
         self.checkpoints.begin(path, saved["step"])
         self.state.load_state_dict(saved["run_state"])
         kept = data_contract.keep_window_order(saved.get("data_contract"), self.cfg, self.contract)
