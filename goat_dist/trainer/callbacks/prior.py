@@ -1,4 +1,5 @@
-"""Pictures of the GOAT prior (``observe.prior_snapshot``) every ``log.prior_interval`` steps, for
+"""Pictures of the GOAT prior (``observe.prior_snapshot``) every ``log.prior_interval`` steps and at the
+last step (so a run shorter than the interval, the default one among them, still shows its prior), for
 TensorBoard (``on_prior``). Collective over the TP group; pictures drawn on the main rank."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class PriorPictures(Callback):
         from ...observe.prior_snapshot import prior_snapshot
 
         log, t = self.log, self.trainer
-        if not (log.tensorboard and log.prior_interval and state.step % log.prior_interval == 0):
+        last = state.step == t.cfg.train.max_steps
+        if not (log.tensorboard and log.prior_interval and (state.step % log.prior_interval == 0 or last)):
             return
         started = time.perf_counter()
         snapshot = prior_snapshot(t.engine.module, log.prior_layers, log.prior_heads, state.step)
