@@ -7,6 +7,7 @@ that a DeepSpeed upgrade is checked here and in ``tests/unit/test_engine_contrac
 assumption). The version range tested is pinned in pyproject.toml.
 
 * ``build``: the DeepSpeed config, megatron's process groups as DeepSpeed's ``mpu``, ``build_engine``.
+* ``construct``: the model built already partitioned under ZeRO-3 (``partition_as_built``).
 * ``patches``: each change of DeepSpeed's behaviour (the bf16 cast, ZeRO-0's init step and grad norm).
 * ``masters``: where each parameter's fp32 master and Adam moments live, per precision x ZeRO stage.
 * ``steps``: non-finite gradients, a dropped update, the gradient norm, the engine's step counters.
@@ -26,6 +27,8 @@ _EXPORTS = {
     "build_engine": "build",
     "deepspeed_config": "build",
     "MegatronMPU": "build",
+    "PartitionAsBuilt": "construct",
+    "partition_as_built": "construct",
     "PRIOR_FP32_STAGES": "patches",
     "KEYS": "masters",
     "MOMENTS": "masters",

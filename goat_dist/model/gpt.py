@@ -27,7 +27,7 @@ from ..parallel.context import ContextShard
 from ..shapes import ffn_size, padded_vocab_size
 from .attention import ParallelSelfAttention
 
-__all__ = ["GPT", "ffn_size", "init_shard_", "padded_vocab_size"]
+__all__ = ["GPT", "ffn_size", "init_shard_", "init_shards_", "padded_vocab_size"]
 
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
@@ -101,26 +101,29 @@ def _block_seed(base: int, index: int, block: int) -> int:
     return (base * 0x9E3779B1 + index * 0x85EBCA77 + block * 0xC2B2AE3D) % 2**62
 
 
-def _normal_span(like, dim: int, full: int, start: int, length: int, std: float, seeds) -> torch.Tensor:
-    """Elements [start, start + length) along ``dim`` of a full N(0, std) tensor that is cut into blocks
-    of SHARD_BLOCK along ``dim``, each drawn from its own seed (``seeds(block)``): only the blocks that
-    the span covers are drawn."""
+def _fill_normal_span_(out, dim: int, full: int, start: int, std: float, seeds) -> None:
+    """Fill ``out`` with elements [start, start + out.shape[dim]) along ``dim`` of a full N(0, std) tensor
+    that is cut into blocks of SHARD_BLOCK along ``dim``, each drawn from its own seed (``seeds(block)``):
+    only the blocks that the span covers are drawn, one at a time, so the only memory besides ``out`` is
+    one block (a construction that holds one layer at a time stays that small)."""
+    length = out.shape[dim]
     first, last = start // SHARD_BLOCK, (start + length - 1) // SHARD_BLOCK
-    gen = torch.Generator(device=like.device)
-    blocks = []
+    gen = torch.Generator(device=out.device)
     for block in range(first, last + 1):
-        shape = list(like.shape)
+        shape = list(out.shape)
         shape[dim] = min(SHARD_BLOCK, full - block * SHARD_BLOCK)
         gen.manual_seed(seeds(block))
-        blocks.append(torch.empty(shape, dtype=like.dtype, device=like.device).normal_(0, std, generator=gen))
-    return torch.cat(blocks, dim).narrow(dim, start - first * SHARD_BLOCK, length)
+        drawn = torch.empty(shape, dtype=out.dtype, device=out.device).normal_(0, std, generator=gen)
+        lo, hi = max(start, block * SHARD_BLOCK), min(start + length, block * SHARD_BLOCK + shape[dim])
+        out.narrow(dim, lo - start, hi - lo).copy_(drawn.narrow(dim, lo - block * SHARD_BLOCK, hi - lo))
 
 
 @torch.no_grad()
 def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) -> None:
     """Fill this rank's TP shard of a weight split along ``dim`` (megatron's ``stride``-interleaved
     split) with the values the whole weight would have at any TP size: every value depends only on its
-    global position (``_normal_span``), and a rank draws only its own shard, on the weight's device."""
+    global position (``_fill_normal_span_``), and a rank draws only its own shard, on the weight's device,
+    in place."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     if weight.device.type == "meta":  # shapes only (the planner's dry run): nothing to draw
@@ -129,12 +132,47 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) 
         return
     full = weight.shape[dim] * tp
     chunk = full // (tp * stride)  # megatron's split: rank r holds chunks r, r + tp, ... of the full weight
-    pieces = [
-        _normal_span(weight, dim, full, (s * tp + rank) * chunk, chunk, std, seeds) for s in range(stride)
-    ]
-    weight.copy_(torch.cat(pieces, dim))
+    for s in range(stride):
+        piece = weight.narrow(dim, s * chunk, chunk)
+        _fill_normal_span_(piece, dim, full, (s * tp + rank) * chunk, std, seeds)
     if not hasattr(weight, "tensor_model_parallel"):
         tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
+
+
+def init_shards_(part: nn.Module, base_seed: int, std: float, out_std: float, index: int) -> int:
+    """Initialise the megatron TP layers of ``part``, each rank only its shards, to the same values for
+    every TP size (``init_shard_``): N(0, std), N(0, out_std) for the output projections of the residual
+    branches (the row-parallel layers), zero biases. Layers are numbered in module order from ``index``
+    (the same at every TP size, and the same whether the model is initialised whole or part by part);
+    returns the next number."""
+    layers = (tensor_parallel.VocabParallelEmbedding, tensor_parallel.ColumnParallelLinear)
+    for module in part.modules():
+        row = isinstance(module, tensor_parallel.RowParallelLinear)
+        if not (row or isinstance(module, layers)):
+            continue
+        stride = getattr(module, "weight_stride", 1)
+        seeds = lambda block, index=index: _block_seed(base_seed, index, block)
+        init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds)
+        if getattr(module, "bias", None) is not None:
+            with torch.no_grad():
+                module.bias.zero_()
+        index += 1
+    return index
+
+
+class _Parts:
+    """Finishes the model part by part: initialises each part's TP shards (numbering its layers after the
+    previous parts') and hands it to ``built``."""
+
+    def __init__(self, base_seed: int, std: float, out_std: float, built):
+        self.base_seed, self.std, self.out_std, self.built = base_seed, std, out_std, built
+        self.index = 0
+
+    def done(self, part: nn.Module) -> nn.Module:
+        self.index = init_shards_(part, self.base_seed, self.std, self.out_std, self.index)
+        if self.built is not None:
+            self.built(part)
+        return part
 
 
 class GPT(nn.Module):
@@ -144,9 +182,16 @@ class GPT(nn.Module):
         sequence_parallel: bool = False,
         activation_checkpointing: str = "none",
         context=model_parallel.WORLD,
+        built=None,
     ):
         """``context``: context parallelism (``parallel.context.ContextParallel``, None, or by default
-        this process's, see ``parallel.model_parallel.apply``)."""
+        this process's, see ``parallel.model_parallel.apply``).
+
+        ``built``: called with each part of the model (the embedding, the learned positions, every block,
+        the final norm, the output layer; together every parameter), in module order, once that part is
+        built and initialised and before the next one is built. A training engine that partitions the
+        parameters over data-parallel ranks takes them there (``engine.construct``), so a rank never holds
+        more than its partitions plus one part's whole tensors. The values do not depend on it."""
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -162,7 +207,7 @@ class GPT(nn.Module):
         mp = ModelParallelConfig(
             tensor_model_parallel_size=tp,
             sequence_parallel=sequence_parallel,
-            # allocated on the device and filled by _init_shards; under a device context (the planner
+            # allocated on the device and filled by init_shards_; under a device context (the planner
             # builds shards on the meta device) megatron's "CPU" allocation follows the context instead
             use_cpu_initialization=torch.get_default_device().type == "meta",
             perform_initialization=False,  # megatron's own init draws every full weight on every rank
@@ -173,45 +218,33 @@ class GPT(nn.Module):
         init = lambda w: nn.init.normal_(w, mean=0.0, std=std)
         out_init = lambda w: nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * cfg.num_layers))
 
-        self.embedding = tensor_parallel.VocabParallelEmbedding(
+        parts = _Parts(base_seed, std, std / math.sqrt(2 * cfg.num_layers), built)
+        embedding = tensor_parallel.VocabParallelEmbedding(
             self.padded_vocab, cfg.hidden_size, init_method=init, config=mp
         )
-        self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.position == "learned" else None
-        if self.pos_embedding is not None:
+        self.embedding = parts.done(embedding)
+        self.pos_embedding = None
+        if cfg.position == "learned":
+            self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden_size)
             init(self.pos_embedding.weight)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, mp, init, out_init) for _ in range(cfg.num_layers))
-        self.final_norm = make_norm(cfg, sequence_parallel)
+            parts.done(self.pos_embedding)
+        self.blocks = nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            self.blocks.append(parts.done(TransformerBlock(cfg, mp, init, out_init)))
+        self.final_norm = parts.done(make_norm(cfg, sequence_parallel))
         self.output = None
         if not cfg.tie_embeddings:
-            self.output = tensor_parallel.ColumnParallelLinear(
-                cfg.hidden_size,
-                self.padded_vocab,
-                config=mp,
-                init_method=init,
-                bias=False,
-                gather_output=False,
+            self.output = parts.done(
+                tensor_parallel.ColumnParallelLinear(
+                    cfg.hidden_size,
+                    self.padded_vocab,
+                    config=mp,
+                    init_method=init,
+                    bias=False,
+                    gather_output=False,
+                )
             )
-        self._init_shards(base_seed, std, std / math.sqrt(2 * cfg.num_layers))
         model_parallel.apply(self, activation_checkpointing=activation_checkpointing, context=context)
-
-    def _init_shards(self, base_seed: int, std: float, out_std: float) -> None:
-        """Initialise megatron's TP layers, each rank only its shards, to the same values for every TP
-        size (``init_shard_``): N(0, std), N(0, out_std) for the output projections of the residual
-        branches (the row-parallel layers), zero biases. Layers are numbered in module order, the same
-        at every TP size."""
-        layers = (tensor_parallel.VocabParallelEmbedding, tensor_parallel.ColumnParallelLinear)
-        index = 0
-        for module in self.modules():
-            row = isinstance(module, tensor_parallel.RowParallelLinear)
-            if not (row or isinstance(module, layers)):
-                continue
-            stride = getattr(module, "weight_stride", 1)
-            seeds = lambda block, index=index: _block_seed(base_seed, index, block)
-            init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds)
-            if getattr(module, "bias", None) is not None:
-                with torch.no_grad():
-                    module.bias.zero_()
-            index += 1
 
     # ---- forward ----------------------------------------------------------------------------------
     def hidden_states(

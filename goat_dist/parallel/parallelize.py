@@ -17,6 +17,7 @@ from torch import nn
 from .. import collectives
 from ..config import Config
 from ..engine.build import build_engine
+from ..engine.zero3 import full_shape
 from ..goat.prior import FP32_FORWARD
 from ..optim import build_optimizer, is_prior
 
@@ -31,9 +32,13 @@ __all__ = [
 
 def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
     """Returns the engine wrapping ``model`` (which it moves to the right device): the TP gradient sum
-    registered first, then the optimizer, then the engine (GOAT's prior computing in fp32 under bf16)."""
+    registered first, then the optimizer, then the engine (GOAT's prior computing in fp32 under bf16).
+
+    ``model`` may have been built already partitioned (ZeRO-3, ``engine.construct.partition_as_built``):
+    its parameters are then placeholders, so the optimizer's groups read their shapes as the model
+    defines them, and the engine takes the partitions as they are."""
     tp_sum = add_tp_grad_allreduce(model)
-    optimizer, scheduler = build_optimizer(model, cfg.train)
+    optimizer, scheduler = build_optimizer(model, cfg.train, shape_of=full_shape)
     return build_engine(
         model,
         cfg,

@@ -17,6 +17,7 @@ from ..checkpoint import CheckpointManager, extension
 from ..config import Config, save_config
 from ..data import contract as data_contract
 from ..data.batches import data_sources, train_loader, val_loader
+from ..engine.construct import partition_as_built
 from ..engine.steps import local_grads_nonfinite, update_dropped
 from ..model import GPT
 from ..parallel.parallelize import parallelize
@@ -92,6 +93,7 @@ class Trainer:
             m,
             sequence_parallel=cfg.parallel.sp,
             activation_checkpointing=cfg.train.activation_checkpointing,
+            built=partition_as_built(cfg, self.grad_accum),  # ZeRO-3: partitioned part by part
         )
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
@@ -207,7 +209,8 @@ class Trainer:
 
     def request_stop(self, reason: str) -> None:
         """Save and stop at the end of the current step (as ``request_save``); ``reason`` goes to
-        ``last_exit.json`` and the exit code is 75 (``signals.EXIT_CHECKPOINTED``), as for a signal."""
+        ``last_exit.json``, which carries exit code 75 (``signals.EXIT_CHECKPOINTED``; rank 0 exits with it),
+        as for a signal."""
         self.loop.stop_requested = self.loop.stop_requested or reason
 
     def save_checkpoint(self, final: bool = False) -> Path:
