@@ -53,8 +53,32 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     (``overlap_comm``, which DeepSpeed enables by itself for ZeRO-3 only) into one contiguous buffer
     (``contiguous_gradients``). Communication buckets are sized from the model (as Hugging Face's "auto"
     does) instead of DeepSpeed's fixed 5e8-element defaults, which allocate gigabytes of buffers even
-    for a small model."""
+    for a small model.
+
+    Gradient precision under bf16 (``parallel.grad_reduce_dtype``): DeepSpeed's default reduces bf16
+    gradients in bf16, and the mean's relative error then grows with the data-parallel size (0.8 % at DP
+    64, 13 % at DP 512; ``bench/grad_reduction_error.py``, ``docs/precision.md``). ``fp32`` (the
+    default, as Megatron does) reduces them in fp32 and, where DeepSpeed 0.19.8 lets this engine do so,
+    accumulates micro-batches in fp32 (``data_types.grad_accum_dtype``), only when there is more than
+    one micro-batch:
+
+    * ZeRO-2: the rank's reduced gradient partition becomes one fp32 flat buffer into which each
+      micro-batch's fp32 reduction is added (no bf16 rounding between micro-batches);
+    * ZeRO-3: the flat gradient partition is fp32, and the reduce bucket is in the communication dtype;
+    * ZeRO-0: refused by DeepSpeed (bf16 weights with fp32 accumulation raise ``NotImplementedError``
+      "unsupported mix" outside pipeline parallelism): fp32 reduction only, micro-batches accumulate in
+      the bf16 ``.grad``;
+    * ZeRO-1: DeepSpeed would swap its ZeRO optimizer for ``BF16_Optimizer`` (fp32 gradients of every
+      whole parameter), whose masters, overflow path and checkpoints this engine does not read
+      (``masters.layout_of``, ``steps``): fp32 reduction only, as at ZeRO-0."""
     h2 = cfg.model.hidden_size**2
+    bf16 = cfg.train.precision == "bf16"
+    reduce_fp32 = cfg.parallel.grad_reduce_dtype == "fp32"
+    precision: dict = {"bf16": {"enabled": bf16}}
+    if bf16:
+        precision["communication_data_type"] = "fp32" if reduce_fp32 else "bf16"
+        if reduce_fp32 and grad_accum > 1 and cfg.parallel.zero_stage in (2, 3):
+            precision["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
@@ -69,7 +93,7 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
             "stage3_param_persistence_threshold": 10 * cfg.model.hidden_size,
         },
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        **precision,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

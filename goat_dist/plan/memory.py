@@ -26,6 +26,8 @@ from ..shapes import (
 __all__ = [
     "ParamSpec",
     "activation_bytes",
+    "construction_bytes",
+    "model_parts",
     "param_inventory",
     "partition_overlap",
     "state_bytes",
@@ -91,10 +93,49 @@ def partition_overlap(sizes: list[int], dp: int) -> list[int]:
     return out
 
 
-def _grad_bytes_per_element(cfg: Config, group: str) -> int:
-    """Gradient bytes of a group: the working dtype, except GOAT's prior, fp32 under bf16 at ZeRO 0-2."""
+# ZeRO stages at which ``engine.build.deepspeed_config`` accumulates bf16 runs' gradients in fp32
+# (``parallel.grad_reduce_dtype=fp32`` with more than one micro-batch; DeepSpeed refuses ZeRO-0 and swaps
+# ZeRO-1's optimizer); a test compares the two
+FP32_ACCUMULATION_STAGES = (2, 3)
+
+
+def _reduce_bytes(cfg: Config) -> int:
+    """Bytes per gradient element on the wire (``parallel.grad_reduce_dtype``; fp32 runs reduce in fp32)."""
+    return 2 if cfg.train.precision == "bf16" and cfg.parallel.grad_reduce_dtype == "bf16" else 4
+
+
+def _fp32_accumulation(cfg: Config, replicas: int) -> bool:
+    """Whether a bf16 run's engine keeps its accumulated gradient partition in fp32."""
+    return (
+        cfg.train.precision == "bf16"
+        and _reduce_bytes(cfg) == 4
+        and cfg.parallel.zero_stage in FP32_ACCUMULATION_STAGES
+        and _grad_accumulation(cfg, replicas) > 1
+    )
+
+
+def _touching(sizes: list[int], dp: int) -> list[range]:
+    """Per ZeRO-1/2 rank: the indices of a group's parameters that touch its partition (the parameters
+    ``partition_overlap`` sums)."""
+    part = _flat_partition(sum(sizes), dp)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    out = []
+    for r in range(dp):
+        first = max(bisect.bisect_right(starts, r * part) - 1, 0)
+        last = min(bisect.bisect_left(starts, (r + 1) * part) - 1, len(sizes) - 1)
+        out.append(range(first, last + 1) if first < len(sizes) and last >= first else range(0))
+    return out
+
+
+def _grad_bytes_per_element(cfg: Config, group: str, replicas: int = 1) -> int:
+    """Gradient bytes of a group: the working dtype, except GOAT's prior, fp32 under bf16 at ZeRO 0-2, and
+    every group's under fp32 accumulation (``_fp32_accumulation``, at ``replicas`` = DP x CP)."""
     bf16 = cfg.train.precision == "bf16"
     if group == "prior" and bf16 and cfg.parallel.zero_stage < 3:
+        return 4
+    if _fp32_accumulation(cfg, replicas):
         return 4
     return 2 if bf16 else 4
 
@@ -134,7 +175,9 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
     groups = _groups(inv)
     opts = zero_options(cfg)
     bucket_elements = opts["reduce_bucket_size"]
-    bucket = bucket_elements * w * (2 if opts["overlap_comm"] and stage in (1, 2) else 1)
+    # ZeRO-1/2 stage gradients in their bucket in the working dtype; ZeRO-3's bucket is in the reduce dtype
+    bucket_bytes = _reduce_bytes(cfg) if stage == 3 else w
+    bucket = bucket_elements * bucket_bytes * (2 if opts["overlap_comm"] and stage in (1, 2) else 1)
     largest = max(p.numel for p in inv)
     if stage == 0:
         params = w * n + prior_extra
@@ -149,10 +192,24 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
         if stage == 1:
             grads = w * n + prior_extra  # every parameter's whole gradient, until the boundary
             buffers = bucket
+        elif _fp32_accumulation(cfg, dp):
+            # one fp32 flat buffer of the partition, into which each micro-batch's reduction is added; a
+            # parameter larger than the bucket is reduced in its own bf16 .grad, which, when it touches the
+            # partition, lives until the end of the backward (nothing copies it out), next to the one waiting
+            grads = _grad_bytes_per_element(cfg, "", dp) * part
+            touching = {g: _touching(sizes, dp) for g, sizes in groups.items()}
+            last = next((g, i) for g, sizes in groups.items() for i, n in enumerate(sizes) if n == largest)
+
+            def kept(r: int) -> int:
+                big = {(g, i) for g in groups for i in touching[g][r] if groups[g][i] > bucket_elements}
+                big |= {last} if largest > bucket_elements else set()
+                return w * sum(groups[g][i] for g, i in big)
+
+            buffers = bucket + max(kept(r) for r in ([rank] if rank is not None else range(dp)))
         else:
             held = {g: partition_overlap(sizes, dp) for g, sizes in groups.items()}
             ranks = [rank] if rank is not None else range(dp)
-            grads = max(sum(_grad_bytes_per_element(cfg, g) * held[g][r] for g in groups) for r in ranks)
+            grads = max(sum(_grad_bytes_per_element(cfg, g, dp) * held[g][r] for g in groups) for r in ranks)
             copies = 1 if _grad_accumulation(cfg, dp) > 1 else 0  # the micro-batch's copy next to the sum
             waiting = w * largest if largest > bucket_elements else 0
             buffers = bucket + copies * grads + waiting
@@ -161,7 +218,7 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
         params = w * (part + kept) + prior_extra
-        grads = w * part
+        grads = _grad_bytes_per_element(cfg, "", dp) * part  # the flat partition, in the accumulation dtype
         optimizer = 12 * part + 4 * len(groups)
         gathered = 2 * w * largest if largest > persistent else 0  # weight + gradient, whole
         buffers = bucket + gathered
@@ -175,9 +232,9 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     * ``zero3_gather``: ZeRO-3 all-gathers a layer's weights for its backward, with their gradients as
       they are produced, and prefetches the next (0.9 h^2 elements);
     * ``allreduce``: ZeRO-0 all-reduces the gradients at the boundary through a flat copy of at most
-      ``ZERO0_ALLREDUCE_ELEMENTS``;
+      ``ZERO0_ALLREDUCE_ELEMENTS`` (and its fp32 cast when bf16 gradients are reduced in fp32);
     * ``fp32_grads``: bf16 mode creates fp32 gradients for the master copy at the step (all of them at
-      ZeRO-0, the partition at ZeRO 1-3);
+      ZeRO-0, the partition at ZeRO 1-3), unless the partition was accumulated in fp32 already;
     * ``logits``: the LM head's logits next to the fp32 ones the loss keeps: the fp32 copy that masks the
       padded vocabulary columns (``model.gpt.vocab_parallel_logits``; also the masked gradient in the
       backward), else the bf16 logits cast to fp32;
@@ -194,8 +251,10 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     if stage == 3:
         out["zero3_gather"] = w * (2 * layer + int(0.9 * m.hidden_size**2))
     if stage == 0 and dp > 1:
-        out["allreduce"] = w * min(n, ZERO0_ALLREDUCE_ELEMENTS)
-    if bf16:
+        # an fp32 reduction (parallel.grad_reduce_dtype) of bf16 gradients casts the flat copy to fp32 too
+        cast = 4 if bf16 and _reduce_bytes(cfg) == 4 else 0
+        out["allreduce"] = (w + cast) * min(n, ZERO0_ALLREDUCE_ELEMENTS)
+    if bf16 and not _fp32_accumulation(cfg, dp):  # fp32-accumulated partitions need no fp32 copy
         out["fp32_grads"] = 4 * (n if stage == 0 else _ceil_div(n, dp))
     padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp)
     logits_bytes = 4 if padded != m.vocab_size else (2 if bf16 else 0)
@@ -203,6 +262,41 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     if cfg.train.activation_checkpointing == "full":
         out["recompute"] = activation_bytes(cfg, micro_batch, recompute_layer=True)["per_layer"]
     out["total"] = sum(out.values())
+    return out
+
+
+# ---- construction ------------------------------------------------------------------------------------
+def model_parts(inv: list[ParamSpec]) -> dict[str, list[ParamSpec]]:
+    """The parts ``model.GPT`` builds one after another (its ``built`` hook): the embedding, the learned
+    positions, every block, the final norm, the output layer; in module order."""
+    parts: dict[str, list[ParamSpec]] = {}
+    for p in inv:
+        head = p.name.split(".")
+        parts.setdefault(".".join(head[:2]) if head[0] == "blocks" else head[0], []).append(p)
+    return parts
+
+
+def construction_bytes(cfg: Config, dp: int) -> dict:
+    """Per-rank peak while the model is built, before the engine exists (``dp``: DP x CP).
+
+    The model's layers are built in fp32. At ZeRO 0-2 a rank builds its whole TP shard: 4Ψ
+    (``whole_shard``). At ZeRO-3 each part is built whole, cast to the engine's dtype and partitioned
+    before the next one is built (``engine/construct.py``): every partition, ``w Σ⌈ψ_i/N⌉``
+    (``partitions``), plus the largest part whole in fp32 (``whole_part``) plus, in bf16, the bf16 copy of
+    that part's largest tensor while it is cast (``cast``). ``part``: the name of that part."""
+    inv = param_inventory(cfg.model, cfg.parallel.tp)
+    out = {"whole_shard": 0, "partitions": 0, "whole_part": 0, "cast": 0}
+    if cfg.parallel.zero_stage != 3:
+        out["whole_shard"] = 4 * sum(p.numel for p in inv)
+        out["total"] = out["whole_shard"]
+        return out
+    w = 2 if cfg.train.precision == "bf16" else 4
+    name, part = max(model_parts(inv).items(), key=lambda kv: sum(p.numel for p in kv[1]))
+    out["partitions"] = w * sum(_ceil_div(p.numel, dp) for p in inv)
+    out["whole_part"] = 4 * sum(p.numel for p in part)
+    out["cast"] = 2 * max(p.numel for p in part) if w == 2 else 0
+    out["total"] = out["partitions"] + out["whole_part"] + out["cast"]
+    out["part"] = name
     return out
 
 

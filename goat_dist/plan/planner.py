@@ -15,7 +15,15 @@ from ..observe.flops import flops_per_token
 from ..precision import resolve_precision
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
-from .memory import _cp, activation_bytes, param_inventory, state_bytes, total_params, transient_bytes
+from .memory import (
+    _cp,
+    activation_bytes,
+    construction_bytes,
+    param_inventory,
+    state_bytes,
+    total_params,
+    transient_bytes,
+)
 
 # Memory a rank uses besides the model: CUDA context (~0.5 GiB), NCCL communicators and their buffers,
 # cuBLAS/flash workspaces. The caching allocator's fragmentation takes a share of the rest.
@@ -75,10 +83,18 @@ def budget(gpu: GPU) -> int:
     return int(gpu.memory_bytes * (1 - FRAGMENTATION))
 
 
+def construction_at(cfg: Config, dp: int) -> dict:
+    """Per-rank bytes while the model is built (``memory.construction_bytes``) plus the reserve: the
+    model is built on the GPU, before any activation exists."""
+    build = construction_bytes(cfg, dp)
+    return {"state": build, "reserved": RESERVED_BYTES, "total": build["total"] + RESERVED_BYTES}
+
+
 def largest_micro_batch(cfg: Config, dp: int, gpu: GPU, limit: int = 4096) -> int:
-    """The largest micro-batch whose memory fits the budget (0: not even one sequence fits)."""
+    """The largest micro-batch whose memory fits the budget (0: not even one sequence fits, or the
+    model cannot be built)."""
     fits = lambda b: memory_at(cfg, dp, b)["total"] <= budget(gpu)
-    if not fits(1):
+    if construction_at(cfg, dp)["total"] > budget(gpu) or not fits(1):
         return 0
     lo, hi = 1, 2
     while hi <= limit and fits(hi):
@@ -137,18 +153,23 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1-2: reduce-scatter + all-gather of the
     # updated weights); ZeRO-3 gathers weights for every micro-batch's forward and backward and
     # reduce-scatters gradients per micro-batch, prefetched (hidden behind compute where it can be).
-    # Gradients are reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice).
+    # Gradients are reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice). Gradients
+    # travel in the reduce dtype (parallel.grad_reduce_dtype: fp32 unless bf16 is chosen), weights in `a`.
     replicas = dp * cp
     inv = param_inventory(m, tp)
-    grad_bytes = a * sum(p.numel for p in inv)
+    numel = sum(p.numel for p in inv)
+    grad_bytes = (2 if bf16 and cfg.parallel.grad_reduce_dtype == "bf16" else 4) * numel
+    weight_bytes = a * numel
     dp_bw = nvlink if world <= gpus_per_node else network
     stage = cfg.parallel.zero_stage
     if stage == 0:
         dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
     elif stage in (1, 2):
-        dp_s = 2 * _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
+        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
+        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
     else:
-        gathers = micro_batches * 3 * _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
+        weights = 2 * _ring(weight_bytes, replicas, dp_bw, all_reduce=False)  # forward and backward
+        gathers = micro_batches * (weights + _ring(grad_bytes, replicas, dp_bw, all_reduce=False))
         dp_s = max(0.0, gathers - compute_s)
     partition = sum(p.numel for p in inv) / (replicas if stage else 1)
     optimizer_s = ADAM_BYTES_PER_ELEMENT * partition / (gpu.hbm_tb_s * 1e12)
@@ -190,8 +211,10 @@ def make_plan(
         c.parallel.zero_stage = stage
         stages[stage] = state_bytes(c, replicas)
     cap = budget(gpu)
-    headroom = cap - mem["total"]
+    build = construction_at(cfg, replicas)
+    headroom = cap - max(mem["total"], build["total"])  # building the model is a peak of its own
     verdict = "fits" if headroom >= TIGHT * cap else "tight" if headroom >= 0 else "does not fit"
+    reason = f"the model cannot be built: {construction_line(build)}" if build["total"] > cap else ""
     notes = []
     if layout["grad_accum"] != int(layout["grad_accum"]):
         t = cfg.train
@@ -215,11 +238,13 @@ def make_plan(
         "precision": cfg.train.precision,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "memory": mem,
+        "construction": build,
         "zero_stages": stages,
         "capacity": gpu.memory_bytes,
         "budget": cap,
         "headroom": headroom,
         "verdict": verdict,
+        "verdict_reason": reason,  # why a layout does not fit, where that is not the training's memory
         "largest_micro_batch": largest_micro_batch(cfg, replicas, gpu),
         "throughput": throughput(cfg, layout, gpu, gpus_per_node),
         "checkpoint": checkpoint_cost(cfg, world, gpus_per_node, fs_gbps),
@@ -228,6 +253,17 @@ def make_plan(
 
 
 # ---- text --------------------------------------------------------------------------------------------
+def construction_line(build: dict) -> str:
+    """What the construction peak is made of, in words, with its figure (GiB per GPU)."""
+    b, gib = build["state"], lambda n: f"{n / GIB:.2f}"
+    if b["whole_shard"]:
+        what = f"the whole TP shard in fp32 {gib(b['whole_shard'])}"
+    else:
+        what = f"built partitioned: partitions {gib(b['partitions'])} + {b['part']} whole in fp32 "
+        what += gib(b["whole_part"]) + (f" + its bf16 cast {gib(b['cast'])}" if b["cast"] else "")
+    return f"construction peak {gib(build['total'])} GiB per GPU: {what} + reserved {gib(build['reserved'])}"
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:8.2f} GiB"
 
@@ -268,9 +304,13 @@ def format_plan(p: dict) -> str:
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in tr.items() if k != "total" and v)
         + ")",
         f"  reserved        {_gib(mem['reserved'])}  (CUDA context, NCCL, workspaces)",
+        f"  construction    {_gib(p['construction']['total'])}  ({construction_line(p['construction'])}; "
+        f"{'can' if p['construction']['total'] <= p['budget'] else 'CANNOT'} be built)",
         f"  total           {_gib(mem['total'])}  of a {_gib(p['budget']).strip()} budget "
         f"({p['capacity'] / GIB:.1f} GiB less 5 % fragmentation)",
-        f"verdict      {p['verdict']}: headroom {p['headroom'] / GIB:.2f} GiB; "
+        f"verdict      {p['verdict']}: "
+        + (f"{p['verdict_reason']}; " if p.get("verdict_reason") else "")
+        + f"headroom {p['headroom'] / GIB:.2f} GiB; "
         f"largest micro-batch that fits: {p['largest_micro_batch']}",
         "",
         f"throughput   step {th['step_s']:.3f} s (matmuls {th['compute_s']:.3f}, memory-bound ops "

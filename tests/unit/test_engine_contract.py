@@ -34,8 +34,9 @@ class Tiny(nn.Module):
         return (self.proj(x.to(self.proj.weight.dtype)).float() * prior.float().sum()).pow(2).mean()
 
 
-def build(stage: int, precision: str = "fp32", fp32: bool = False, defer=None):
-    """(model, engine); ``defer(model)`` may return a context to enter while the engine is built."""
+def build(stage: int, precision: str = "fp32", fp32: bool = False, defer=None, accum: int = 1):
+    """(model, engine); ``defer(model)`` may return a context to enter while the engine is built;
+    ``accum``: micro-batches per step."""
     cfg = one_layer_config(
         f"parallel.zero_stage={stage}", f"train.precision={precision}", "train.grad_clip=1.0"
     )
@@ -49,7 +50,7 @@ def build(stage: int, precision: str = "fp32", fp32: bool = False, defer=None):
     engine = build_engine(
         model,
         cfg,
-        1,
+        accum,
         optimizer=opt,
         scheduler=sched,
         fp32_params=[model.prior] if fp32 else [],
@@ -293,3 +294,54 @@ def test_memory_walk_finds_the_optimizers_state(world1, stage):
     counted = training_state_bytes(engine.module, engine.optimizer)
     assert counted["optimizer"] >= 4 * numel * (2 if stage == 0 else 3)
     assert counted["params"] >= 4 * numel
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_gradients_are_reduced_in_fp32_and_accumulated_where_configured(world1, stage):
+    """``deepspeed_config``'s ``communication_data_type`` is the engine's reduction dtype at every stage,
+    and ``grad_accum_dtype`` fp32 makes ZeRO-2's accumulated partition (``averaged_gradients``) and
+    ZeRO-3's flat partition fp32, read where ``steps`` reads them, through two micro-batches and a step."""
+    model, engine = build(stage, "bf16", fp32=True, accum=2)
+    assert engine.communication_data_type == torch.float32
+    backward(engine, seed=1)
+    engine.step()  # not a boundary: only counts the micro-batch
+    backward(engine, seed=2)
+    opt = engine.optimizer
+    if stage == 3:
+        held = [opt.grad_partitions_flat_buffer]
+    elif stage in (1, 2):
+        held = [g for gs in opt.averaged_gradients.values() for g in gs]
+    else:
+        held = [p.grad for p in model.parameters() if p is not model.prior]
+    want = torch.float32 if stage in (2, 3) else torch.bfloat16
+    assert held and all(g.dtype == want for g in held), [g.dtype for g in held]
+    assert float(steps.local_grads_nonfinite(engine)) == 0.0
+    engine.step()
+    assert steps.step_counters(engine)["global_steps"] == 1 and steps.global_grad_norm(engine) > 0
+    masters.layout_of(engine)  # the optimizer class is still one whose masters we read
+
+
+def test_fp32_accumulation_is_refused_at_zero0_and_swaps_zero1s_optimizer(world1):
+    """Why ``deepspeed_config`` asks for fp32 accumulation at ZeRO-2/3 only: bf16 weights with fp32
+    accumulation raise without ZeRO, and turn ZeRO-1 into ``BF16_Optimizer``, a layout ``masters`` does not
+    read. If either changes, ZeRO-0/1 may accumulate in fp32 too."""
+    import deepspeed
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from goat_dist.engine.build import MegatronMPU, deepspeed_config
+
+    def engine(stage: int):
+        cfg = one_layer_config(f"parallel.zero_stage={stage}", "train.precision=bf16")
+        config = {**deepspeed_config(cfg, 2), "data_types": {"grad_accum_dtype": "fp32"}}
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return deepspeed.initialize(
+            model=model, optimizer=opt, config=config, mpu=MegatronMPU(), dist_init_required=False
+        )[0]
+
+    with pytest.raises(NotImplementedError, match="unsupported mix"):
+        engine(0)
+    zero1 = engine(1)
+    assert type(zero1.optimizer) is BF16_Optimizer
+    with pytest.raises(RuntimeError, match="unknown optimizer layout"):
+        masters.layout_of(zero1)
