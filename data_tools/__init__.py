@@ -15,6 +15,7 @@ Modules, one job each:
   prepare       the pipeline: documents -> train/val split -> shards + manifest (`prepare`)
   restart       what an interrupted `prepare` already finished
   inspection    `inspect` (counts, histogram, samples, full check) and `verify_shards`
+  shard_files   the seconds-long check: every listed file there at its size (doctor, start of training)
   corpus        the Python stdlib as an offline text corpus
   builtin       the default data set: stdlib corpus -> tokenizer -> `prepare` pipeline, cached
   cli           the command line: `python -m data_tools ...` == `goat-dist data ...`

@@ -56,7 +56,9 @@ def text_hash(text: str) -> int:
 
 
 def _smallest_hashes(texts: Iterable[str], n: int) -> set[int]:
-    """Indices of the `n` texts with the smallest hashes (ties: lower index)."""
+    """Indices of the `n` texts with the smallest hashes (ties: lower index); none for `n` <= 0."""
+    if n <= 0:
+        return set()
     heap: list[tuple[int, int]] = []  # max-heap of (-hash, -index)
     for i, text in enumerate(texts):
         item = (-text_hash(text), -i)
@@ -71,7 +73,7 @@ def val_chooser(val: dict, texts: Callable[[], Iterable[str]]) -> Callable[[int,
     """`is_val(index, text)` for `{"fraction": f}` (hash below f * 2**64) or `{"docs": n}` (the n
     smallest hashes; reads `texts()` once to find them)."""
     if "docs" in val:
-        chosen = _smallest_hashes(texts(), val["docs"])
+        chosen = _smallest_hashes(texts(), val["docs"]) if val["docs"] > 0 else set()  # 0: no reading pass
         return lambda i, text: i in chosen
     threshold = int(val["fraction"] * 2**64)
     return lambda i, text: text_hash(text) < threshold
@@ -346,6 +348,8 @@ def _report(out: Path, written: Written, reused: int, seconds: float, val: dict,
     asked = val["docs"] if "docs" in val else val["fraction"]
     if not entries["val"] and asked > 0:
         echo("[data] warning: no document went to the val split; use --val-docs N for a fixed count")
+    elif not entries["val"]:
+        echo("[data] no val split, as asked: train on it with train.eval_interval=0")
     echo(
         f"[data] {out}: {written.n_docs:,} documents -> {tokens['train']:,} train / {tokens['val']:,} val "
         f"tokens in {len(entries['train'])}+{len(entries['val'])} shards ({seconds:.1f}s; tokenized "

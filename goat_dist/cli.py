@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     _select_accelerator()
     from .checkpoint import CheckpointError
+    from .inference import ExportDirError
 
     try:
         return args.func(args)
-    except CheckpointError as e:
+    except (CheckpointError, ExportDirError) as e:
         print(f"goat-dist {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -21,6 +21,48 @@ from data_tools.shard_format import TOKENIZER_NAME
 
 from .config import GoatConfig, ModelConfig
 
+EXPORT_HINT = "`goat-dist ckpt export RUN_DIR OUT` writes one"
+
+
+class ExportDirError(ValueError):
+    """``--model`` is not a goat-dist export directory; the message says what it is and what to do."""
+
+
+def export_config(path: str | Path) -> dict:
+    """The model config of a ``goat-dist ckpt export`` directory (``config.json`` + ``model.safetensors``),
+    or an ExportDirError that says what was expected and what ``path`` is instead: a run, checkpoints or
+    step directory (export it first), a Hugging Face export (load it with transformers), or else."""
+    path = Path(path)
+    expects = f"expects a `goat-dist ckpt export` directory (model.safetensors + config.json; {EXPORT_HINT})"
+    if not path.is_dir():
+        found = "a file" if path.exists() else "nothing there"
+        raise ExportDirError(f"--model {path}: {expects}; found {found}")
+    step_state = path / "trainer_state.json"  # what a step directory of a run holds
+    if any((path / d).exists() for d in ("checkpoints", "latest")) or step_state.exists():
+        what = "a step directory" if step_state.exists() else "a run directory with checkpoints"
+        raise ExportDirError(
+            f"--model {path}: {expects}; found {what}. Export it first: goat-dist ckpt export {path} "
+            f"{path.name}-export, then --model {path.name}-export"
+        )
+    config = path / "config.json"
+    if not config.is_file() or not (path / "model.safetensors").is_file():
+        names = sorted(p.name for p in path.iterdir())[:8]
+        raise ExportDirError(f"--model {path}: {expects}; found {', '.join(names) or 'an empty directory'}")
+    try:
+        raw = json.loads(config.read_text())
+    except ValueError as e:
+        raise ExportDirError(
+            f"--model {path}: {config} is not JSON ({e}); export the checkpoint again"
+        ) from e
+    if not isinstance(raw, dict) or "model_type" in raw or "architectures" in raw:
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        raise ExportDirError(
+            f"--model {path}: {expects}; found a Hugging Face export (config.json model_type {kind!r}). "
+            "Load that one with transformers (AutoModelForCausalLM.from_pretrained(PATH, "
+            "trust_remote_code=True)), or export with --format goat for goat-dist generate"
+        )
+    return raw
+
 
 def load_exported(path: str | Path, dtype: torch.dtype = torch.float32):
     """(model in eval mode, tokenizer or None). Initialises a one-process world if none exists."""
@@ -29,9 +71,14 @@ def load_exported(path: str | Path, dtype: torch.dtype = torch.float32):
 
     warnings.filterwarnings("ignore", module="megatron")
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["goat"] = GoatConfig(**raw.get("goat", {}))
-    cfg = ModelConfig(**raw)
+    raw = export_config(path)
+    try:
+        raw["goat"] = GoatConfig(**raw.get("goat", {}))
+        cfg = ModelConfig(**raw)
+    except TypeError as e:  # keys of another program's config.json
+        raise ExportDirError(
+            f"--model {path}: {path / 'config.json'} is not a goat-dist model config ({e}); {EXPORT_HINT}"
+        ) from None
     if not torch.distributed.is_initialized():
         distributed.init(tp=1)
     model = GPT(cfg)

@@ -26,7 +26,8 @@ class DataContractError(ValueError):
     """A resume would read different data than the checkpoint consumed; the message lists the keys."""
 
 
-def _digest(obj) -> str:
+def digest(obj) -> str:
+    """sha256 of a JSON value in canonical form (sorted keys): a manifest's identity, wherever it lies."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
@@ -38,7 +39,7 @@ def data_contract(cfg: Config, sources: list[dict]) -> dict:
     for src in sources:
         manifest = load_manifest(src["path"])
         tokenizers.add(manifest.get("tokenizer_sha256"))
-        entries.append({"path": src["path"], "weight": float(src["weight"]), "manifest": _digest(manifest)})
+        entries.append({"path": src["path"], "weight": float(src["weight"]), "manifest": digest(manifest)})
     d = cfg.data
     return {
         "sources": entries,

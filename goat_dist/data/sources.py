@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_tools.shard_format import MANIFEST_NAME, locate, parse_manifest, read_manifest
+from goat_dist.config import ConfigError
 from goat_dist.data.shards import is_url, open_shard
 
 
@@ -37,6 +38,14 @@ class SourceSplit:
     @property
     def total_tokens(self) -> int:
         return sum(self.n_tokens)
+
+
+# how to get a split a data set lacks (errors of a user's are ConfigErrors: exit 2, one message)
+FIX_SPLIT = {
+    "val": "prepare the data with a val split (`goat-dist data prepare --val-docs N`); a run trains "
+    "without one at train.eval_interval=0, and `eval ppl --split train` reads the train split",
+    "train": "prepare it again with fewer validation documents (`--val-docs` / `--val-fraction`)",
+}
 
 
 def load_manifest(path: str) -> dict:
@@ -78,11 +87,13 @@ def resolve_split(source: dict, split: str) -> SourceSplit:
     """Read the source's manifest and list the shards of `split` with their token counts."""
     path = source["path"]
     manifest = load_manifest(path)
-    if split not in manifest["splits"]:
-        raise ValueError(f"data source {path} has no {split!r} split (have {sorted(manifest['splits'])})")
+    if not manifest["splits"].get(split):
+        have = ", ".join(f"{k} ({len(v)} shards)" for k, v in manifest["splits"].items())
+        raise ConfigError(
+            f"data source {path} has no {split!r} shards (its manifest lists: {have or 'nothing'}); "
+            f"{FIX_SPLIT.get(split, 'use a data set that has that split')}"
+        )
     entries = manifest["splits"][split]
-    if not entries:
-        raise ValueError(f"data source {path} has no {split!r} shards")
     counts = []
     for e in entries:
         n = e.get("n_tokens")
@@ -107,5 +118,8 @@ def resolve_sources(sources, split: str) -> list[SourceSplit]:
     shas = {s.tokenizer_sha256 for s in resolved if s.tokenizer_sha256}
     if len(shas) > 1:
         listing = ", ".join(f"{s.path}: {s.tokenizer_sha256}" for s in resolved)
-        raise ValueError(f"data sources were tokenized with different tokenizers ({listing})")
+        raise ConfigError(
+            f"data sources were tokenized with different tokenizers ({listing}); prepare every source "
+            "with the same tokenizer.json (`goat-dist data prepare --tokenizer FILE`)"
+        )
     return resolved

@@ -1,12 +1,16 @@
-"""The data check: the configured source(s) reachable (manifest readable, shard files present, each the
-size its manifest records: a stat per shard, no reads), or the builtin corpus ready or buildable."""
+"""The data check: the configured source(s) reachable (manifest readable, shard and index files present,
+each the size its manifest records: a stat per file, no reads), or the builtin corpus ready or buildable."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from data_tools.shard_files import SHARDS_NAMED, shard_file_problems, summarize_problems
+
 from .report import Report
+
+__all__ = ["SHARDS_NAMED", "check_data", "shard_size_problems"]
 
 
 def _reachable_url(url: str, timeout: float = 20.0) -> str | None:
@@ -25,38 +29,14 @@ def _reachable_url(url: str, timeout: float = 20.0) -> str | None:
         return f"{target}: {e}"
 
 
-SHARDS_NAMED = 3  # shard problems spelled out per data set; the rest are counted
-
-
 def shard_size_problems(dataset_dir: Path, manifest: dict) -> list[str]:
-    """Shards of a local data set (every split) that are missing or whose size on disk differs from the
-    manifest's ``bytes``: one stat per shard, nothing read (``goat-dist data inspect`` reads and hashes)."""
-    problems = []
-    for entries in manifest["splits"].values():
-        for e in entries:
-            path = dataset_dir / e["name"]
-            expected = e.get("bytes")
-            try:
-                actual = path.stat().st_size
-            except FileNotFoundError:
-                size = f" (the manifest lists {expected} bytes)" if expected is not None else ""
-                problems.append(f"shard {e['name']} is missing{size}")
-                continue
-            except OSError as err:
-                problems.append(f"shard {e['name']} cannot be read: {err}")
-                continue
-            if expected is not None and actual != expected:
-                problems.append(
-                    f"shard {e['name']} is {actual} bytes on disk, the manifest says {expected} bytes "
-                    "(truncated or changed copy?)"
-                )
-    return problems
+    """Shards of a local data set (every split) and their listed indexes that are missing or not the size
+    the manifest records: one stat per file, nothing read (the check training starts with, too)."""
+    return shard_file_problems(dataset_dir, manifest)
 
 
 def _shard_summary(dataset_dir: Path, problems: list[str]) -> str:
-    named = "; ".join(problems[:SHARDS_NAMED])
-    more = len(problems) - SHARDS_NAMED
-    return f"{dataset_dir}: {named}" + (f"; and {more} more shard(s)" if more > 0 else "")
+    return f"{dataset_dir}: {summarize_problems(problems)}"
 
 
 def check_data(report: Report, cfg) -> None:

@@ -3,12 +3,13 @@
 ``checkpoint`` loads a model at any tensor-parallel size through the safetensors path; ``session`` sets
 up one evaluation (process groups, device, data); ``perplexity`` and ``passkey`` measure; ``reports``
 turns a measurement into JSON and a picture drawn by ``plots``; ``commands`` is the command line;
-``study`` runs the extrapolation study end to end.
+``study`` runs the extrapolation study end to end; ``data_check`` holds the evaluated data to the model's
+tokenizer and names each data set's results file.
 
-May import: torch, ``goat_dist.collectives``, ``goat_dist.config``, ``goat_dist.precision``,
-``goat_dist.distributed``, ``goat_dist.launcher``, ``goat_dist.data``, ``goat_dist.model``,
-``goat_dist.checkpoint`` (loading at any TP size) and ``goat_dist.observe`` (pictures); never the trainer (a
-study runs ``goat-dist train`` as a process).
+May import: torch, ``goat_dist.atomic`` (results written whole), ``goat_dist.collectives``,
+``goat_dist.config``, ``goat_dist.precision``, ``goat_dist.distributed``, ``goat_dist.launcher``,
+``goat_dist.data``, ``goat_dist.model``, ``goat_dist.checkpoint`` (loading at any TP size) and
+``goat_dist.observe`` (pictures); never the trainer (a study runs ``goat-dist train`` as a process).
 """
 
 

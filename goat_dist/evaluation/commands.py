@@ -2,9 +2,9 @@
 
 The eval commands run as one process or under torchrun (``--tp``, default: the whole world, so
 ``torchrun --nproc_per_node=N -m goat_dist eval ...`` evaluates with TP = N). Rank 0 writes
-``<out>/ppl.json`` + ``ppl.png``, ``<out>/passkey.json`` + ``passkey.png`` or ``<out>/harness.json``
-(lm-evaluation-harness tasks, see ``harness``); ``<out>`` defaults to
-``<run_dir>/eval`` (or ``<checkpoint>/eval`` for an export directory).
+``<out>/ppl_<data set>_<split>.json`` + ``.png`` (one file per data set, see ``data_check``),
+``<out>/passkey.json`` + ``passkey.png`` or ``<out>/harness.json`` (lm-evaluation-harness tasks, see
+``harness``); ``<out>`` defaults to ``<run_dir>/eval`` (or ``<checkpoint>/eval`` for an export directory).
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _say(command: str, error: BaseException) -> None:
+    """One line for a user's error; the traceback too under ``GOAT_DEBUG=1``."""
+    if os.environ.get("GOAT_DEBUG", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"goat-dist eval {command}: {error}", file=sys.stderr)
+
+
 def _run(args, body) -> int:
     """Set up, run ``body(session)`` -> printed lines (rank 0), tear down; exit 2 on a user error."""
     from ..checkpoint import CheckpointError
@@ -54,7 +63,7 @@ def _run(args, body) -> int:
             print("\n".join(lines))
     except (ValueError, CheckpointError, FileNotFoundError, KeyError) as e:  # EvalError, LayoutError too
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"goat-dist eval {args.eval}: {e}", file=sys.stderr)
+            _say(args.eval, e)
         code = 2
     exit_process(code)
     return code
@@ -64,13 +73,24 @@ def cmd_ppl(args) -> int:
     def body(session) -> list[str]:
         from .reports import ppl_report, write_ppl
 
-        report = ppl_report(session, args.data, args.split, args.lengths, args.tokens, args.batch_tokens)
+        report = ppl_report(
+            session,
+            args.data,
+            args.split,
+            args.lengths,
+            args.tokens,
+            args.batch_tokens,
+            allow_other_tokenizer=args.allow_other_tokenizer,
+        )
         lines = [
             f"{r['length']:>7} tokens | {r['windows']:>5} windows | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}"
             for r in report["results"]
         ]
+        if not report["tokenizer_check"].startswith("same"):
+            lines.append(f"note: tokenizer {report['tokenizer_check']}")
         if session.layout.is_main:
-            lines += [f"wrote {p}" for p in write_ppl(report, session.out_dir(args.out))]
+            *written, note = write_ppl(report, session.out_dir(args.out))
+            lines += [f"wrote {p}" for p in written] + ([note] if note else [])
         return lines
 
     return _run(args, body)
@@ -97,12 +117,14 @@ def cmd_passkey(args) -> int:
 
 
 def cmd_harness(args) -> int:
-    from .harness import require_lm_eval
+    from .harness import load_tasks, require_lm_eval
 
-    try:
-        require_lm_eval()  # before loading the model: the one error a user can fix without it
+    try:  # before loading the model: what a user can fix without it (lm-eval, the tasks and their data)
+        require_lm_eval()
+        tasks = load_tasks(args.tasks, args.include_path)
     except EvalError as e:
-        print(f"goat-dist eval harness: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            _say("harness", e)
         return 2
 
     def body(session) -> list[str]:
@@ -118,6 +140,8 @@ def cmd_harness(args) -> int:
             max_length=args.max_length,
             tokenizer=args.tokenizer,
             seed=args.seed,
+            allow_other_tokenizer=args.allow_other_tokenizer,
+            loaded_tasks=tasks,
         )
         if report is None:  # not rank 0
             return []
@@ -155,6 +179,14 @@ def _model(p) -> None:
     p.add_argument("--out", default=None, help="output directory (default: <run_dir>/eval)")
 
 
+def _allow_other_tokenizer(p) -> None:
+    p.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="evaluate data of another tokenizer than the model was trained with (refused by default)",
+    )
+
+
 def _common(p) -> None:
     _model(p)
     p.add_argument("--lengths", type=_ints, required=True, help="comma-separated evaluation lengths")
@@ -171,6 +203,7 @@ def register(sub) -> None:
     p.add_argument("--data", default="builtin", help="a `goat-dist data prepare` directory, or builtin")
     p.add_argument("--split", default="val")
     p.add_argument("--tokens", type=int, default=65536, help="tokens of the stream read at every length")
+    _allow_other_tokenizer(p)
     p.set_defaults(func=cmd_ppl)
     p = tasks.add_parser("passkey", help="passkey retrieval accuracy over length x depth; JSON + PNG heatmap")
     _common(p)
@@ -190,6 +223,7 @@ def register(sub) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's data set's)")
     p.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling)")
+    _allow_other_tokenizer(p)
     p.set_defaults(func=cmd_harness)
     p = sub.add_parser(
         "study", help="train and evaluate the position schemes of a study config over its seeds"

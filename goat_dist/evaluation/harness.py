@@ -247,22 +247,13 @@ def parse_limit(text: str | None) -> int | float | None:
     return value if value < 1 else int(value)
 
 
-def harness_report(
-    session,
-    tasks: list[str],
-    limit: int | float | None = None,
-    batch_size: int = 8,
-    include_path: str | None = None,
-    num_fewshot: int | None = None,
-    max_length: int | None = None,
-    tokenizer: str | None = None,
-    seed: int = 0,
-) -> dict | None:
-    """Run lm-eval's ``simple_evaluate`` on ``tasks`` with the session's model; a JSON-ready dict on rank 0
-    (None elsewhere: every rank runs the model, lm-eval aggregates on rank 0)."""
-    lm_eval = require_lm_eval()
+def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[object, list]:
+    """(lm-eval's TaskManager, every task built with its data loaded), before any model is: an unknown
+    name or a data set that cannot be had (a built-in task offline) is an EvalError naming the task and
+    how to get it, not a traceback after the model load. The built tasks go to ``simple_evaluate`` as
+    they are: their data is loaded once."""
+    require_lm_eval()
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
 
     if include_path and not Path(include_path).is_dir():
         raise EvalError(f"--include-path {include_path}: not a directory of lm-eval task YAML files")
@@ -275,11 +266,87 @@ def harness_report(
             f"unknown lm-eval task(s) {', '.join(unknown)}: not found{where} among lm-eval's own tasks "
             "(--include-path DIR adds a directory of task YAML files)"
         )
+    built: list = []
+    for name in tasks:
+        try:
+            got = manager.load([name])
+        except Exception as e:  # lm-eval and datasets raise many kinds; each is this task's to fix
+            raise EvalError(unloadable(name, e)) from e
+        inside = {child for group in got["groups"].values() for child in group.child_names}
+        built += [g for n, g in got["groups"].items() if n not in inside]
+        built += [t for n, t in got["tasks"].items() if n not in inside]
+    return manager, built
+
+
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def unloadable(task: str, error: BaseException) -> str:
+    """Why ``task`` could not be built, and how to run it: a data set the hub would serve (a network or
+    file error, or offline mode) gets the two ways to evaluate offline."""
+    import os
+
+    detail = f"{type(error).__name__}: {error}".splitlines()[0]
+    offline = [v for v in OFFLINE_VARS if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")]
+    if not (isinstance(error, OSError) or "hub" in detail.lower() or "offline" in detail.lower()):
+        return f"lm-eval task {task} could not be built ({detail}); fix the task or its YAML file"
+    why = f" ({', '.join(offline)} set)" if offline else ""
+    return (
+        f"lm-eval task {task}: its data set could not be loaded ({detail}). lm-eval's built-in tasks "
+        f"download their data from the Hugging Face hub, which this machine cannot reach{why}. To run it "
+        "offline: run the task once where the hub is reachable and copy its datasets cache here (HF_HOME, "
+        "or HF_DATASETS_CACHE), or describe the task in a YAML file over local data files and pass "
+        "--include-path DIR (e.g. --tasks goat_python_choice --include-path tests/data/harness)"
+    )
+
+
+def check_tokenizer(loaded, path: Path, allow_other: bool) -> str:
+    """The harness tokenizer against the one training recorded (``data_check.trained_tokenizers``):
+    another one is refused unless ``allow_other``. Returns what the report says about it."""
+    from ..atomic import sha256_file
+    from .data_check import ALLOW_FLAG, trained_tokenizers
+
+    trained, where = trained_tokenizers(loaded)
+    if trained is None:
+        return f"unverified: {where}"
+    sha = sha256_file(path)
+    if sha in trained:
+        return "same as training"
+    if allow_other:
+        return f"other than training ({ALLOW_FLAG})"
+    raise EvalError(
+        f"tokenizer {path} (sha256 {sha[:16]}...) is not the one the model was trained with "
+        f"({', '.join(t[:16] + '...' for t in trained)} from {where}): the model would read other tokens "
+        f"than the text says. Pass the run's tokenizer with --tokenizer, or {ALLOW_FLAG} to score anyway"
+    )
+
+
+def harness_report(
+    session,
+    tasks: list[str],
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    max_length: int | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+    allow_other_tokenizer: bool = False,
+    loaded_tasks: tuple[object, list] | None = None,
+) -> dict | None:
+    """Run lm-eval's ``simple_evaluate`` on ``tasks`` with the session's model; a JSON-ready dict on rank 0
+    (None elsewhere: every rank runs the model, lm-eval aggregates on rank 0). ``loaded_tasks``: what
+    ``load_tasks`` returned for them, when the caller built them before the model."""
+    lm_eval = require_lm_eval()
+    from lm_eval.utils import handle_non_serializable
+
+    manager, built = loaded_tasks or load_tasks(tasks, include_path)
     path, eos = find_tokenizer(session.loaded, session.layout.is_main, tokenizer)
+    checked = check_tokenizer(session.loaded, path, allow_other_tokenizer)
     scorer = Scorer(session, path, eos, max_length or session.loaded.cfg.seq_len, batch_size)
     results = lm_eval.simple_evaluate(
         model=lm_class()(scorer),
-        tasks=tasks,
+        tasks=built,
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
@@ -296,6 +363,7 @@ def harness_report(
         "task": "harness",
         **session.describe(),
         "tokenizer": str(path),
+        "tokenizer_check": checked,
         "eos_id": eos,
         "max_length": scorer.max_length,
         "lm_eval_version": getattr(lm_eval, "__version__", None),
@@ -320,7 +388,9 @@ def table(report: dict) -> str:
 
 
 def write_harness(report: dict, out: Path) -> Path:
+    from ..atomic import atomic_write_text
+
     out.mkdir(parents=True, exist_ok=True)
     path = out / "harness.json"
-    path.write_text(json.dumps(report, indent=1))
+    atomic_write_text(path, json.dumps(report, indent=1))
     return path

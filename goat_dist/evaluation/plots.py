@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
-from ..observe.figures import new_figure, save_png
+from ..observe.figures import new_figure
 
 
 def ppl_figure(curves: dict[str, list[dict]], train_len: int, title: str):
@@ -141,4 +141,14 @@ def passkey_grid_figure(grids: dict, lengths: list[int], depths: list[float], tr
 
 
 def write_png(fig, path: str | Path) -> Path:
-    return save_png(fig, path)
+    """The picture at ``path``, atomically: a reader never sees half a file, nor a crash leave one."""
+    import io
+
+    from ..atomic import atomic_write_bytes
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return path

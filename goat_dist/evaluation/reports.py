@@ -1,18 +1,33 @@
 """Evaluation reports: run a task over a loaded model (``session.Session``) into a JSON-ready dict, and
-write it as ``<out>/<task>.json`` plus its picture."""
+write it as JSON plus its picture, atomically: ``<out>/passkey.json``; perplexity per data set and split
+(``data_check.ppl_stem``), the lengths of earlier runs of the same checkpoint on the same data kept."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..atomic import atomic_write_text
 from .session import Session, builtin_data
 
 
-def ppl_report(session: Session, data: str, split: str, lengths: list[int], tokens: int, batch_tokens: int):
+def ppl_report(
+    session: Session,
+    data: str,
+    split: str,
+    lengths: list[int],
+    tokens: int,
+    batch_tokens: int,
+    allow_other_tokenizer: bool = False,
+):
+    """Perplexity of ``data`` at each length, after ``data_check.check_data`` (the data set's tokenizer
+    and vocabulary against the model's)."""
+    from ..data.sources import load_manifest
+    from .data_check import check_data
     from .perplexity import PROTOCOL, perplexity_at
 
     path = builtin_data(session.loaded, session.layout.is_main) if data == "builtin" else data
+    checked = check_data(session.loaded, path, load_manifest(path), allow_other_tokenizer)
     results = []
     for length in lengths:
         results.append(
@@ -33,21 +48,50 @@ def ppl_report(session: Session, data: str, split: str, lengths: list[int], toke
         **session.describe(),
         "data": path,
         "split": split,
+        **checked,
         "token_budget": tokens,
         "protocol": PROTOCOL,
         "results": results,
     }
 
 
-def write_ppl(report: dict, out: Path, label: str | None = None) -> tuple[Path, Path]:
+# what must match for an earlier file's lengths to join a new report's: the same measurement otherwise
+SAME_MEASUREMENT = ("checkpoint", "step", "split", "data_manifest_sha256", "token_budget", "tokenizer_check")
+
+
+def merge_earlier(report: dict, path: Path) -> tuple[dict, str | None]:
+    """``report`` with the lengths ``path`` holds from an earlier run of the same measurement
+    (``SAME_MEASUREMENT``) that this one did not repeat; and a note when ``path`` held another
+    measurement of this data set (another step, token budget) that the new report replaces."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return report, None
+    if any(earlier.get(k) != report.get(k) for k in SAME_MEASUREMENT):
+        was = ", ".join(f"{k} {earlier.get(k)}" for k in ("step", "token_budget"))
+        return report, f"replaced {path} (it held {was})"
+    new = {r["length"] for r in report["results"]}
+    kept = [r for r in earlier.get("results", []) if r.get("length") not in new]
+    results = sorted([*report["results"], *kept], key=lambda r: r["length"])
+    return {**report, "results": results}, None
+
+
+def write_ppl(report: dict, out: Path, label: str | None = None) -> tuple[Path, Path, str | None]:
+    """(json, png, note): one data set's results in ``<out>/<ppl_stem>.json`` and its picture, merged with
+    the lengths an earlier run of the same measurement left there (``merge_earlier``)."""
+    from .data_check import ppl_stem
     from .plots import ppl_figure, write_png
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ppl.json").write_text(json.dumps(report, indent=1))
+    path = out / f"{ppl_stem(report)}.json"
+    report, note = merge_earlier(report, path)
+    atomic_write_text(path, json.dumps(report, indent=1))
     label = label or report["position"]
     title = f"{label}: perplexity vs length (trained at {report['train_seq_len']})"
-    png = write_png(ppl_figure({label: report["results"]}, report["train_seq_len"], title), out / "ppl.png")
-    return out / "ppl.json", png
+    png = write_png(
+        ppl_figure({label: report["results"]}, report["train_seq_len"], title), path.with_suffix(".png")
+    )
+    return path, png, note
 
 
 def passkey_report(session: Session, lengths, depths, samples: int, seed: int, batch_tokens: int) -> dict:
@@ -80,7 +124,7 @@ def write_passkey(report: dict, out: Path) -> tuple[Path, Path]:
     from .plots import passkey_figure, write_png
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "passkey.json").write_text(json.dumps(report, indent=1))
+    atomic_write_text(out / "passkey.json", json.dumps(report, indent=1))
     title = f"{report['position']}: passkey retrieval ({report['samples_per_cell']} samples per cell)"
     fig = passkey_figure(
         report["lengths"],

@@ -18,10 +18,11 @@ from ..atomic import atomic_write_text
 from ..checkpoint import CheckpointError
 from ..config import Config, ConfigError
 from ..data import contract as data_contract
-from ..data.batches import check_source
+from ..data.batches import check_sources
 from ..distributed import LayoutError
 from . import nonfinite
 from .deadline import DeadlineError
+from .run_lock import RunDirError, WorldLock
 from .signals import EXIT_CHECKPOINTED
 from .state import RunState
 from .trainer import Trainer
@@ -30,32 +31,45 @@ from .trainer import Trainer
 def run(cfg: Config) -> RunState:
     """Entry point of ``goat-dist train``: train, then tear the process groups down cleanly.
 
+    First rank 0 takes the run dir's lock (``run_lock``: one live trainer per run dir) and marks the
+    attempt ``running`` in ``<run_dir>/last_exit.json``; with more ranks, every rank waits for that in
+    the run's first collective, and a refusal ends every rank with exit 2 before anything is written.
+
     Rank 0 records how the process ended in ``<run_dir>/last_exit.json`` (``status`` finished,
     checkpointed or failed, ``reason``, ``step``, ``exit_code``): a job script decides on requeueing from
-    it, since a launcher such as torchrun replaces the workers' exit codes with its own.
+    it, since a launcher such as torchrun replaces the workers' exit codes with its own. A record that
+    still says ``running`` after the process is gone was left by a process that was killed.
 
     After a finished or checkpointed run the record is written (and fsynced) before the final barrier,
     so it is on disk before any rank can exit: ``srun --kill-on-bad-exit=1`` ends a whole step when one
     task exits non-zero, and a rank 0 still writing would die without a record. For the same reason
     only rank 0 exits 75 after a checkpointed stop (``process_exit_code``, which the command line exits
-    with); the other ranks exit 0."""
+    with); the other ranks exit 0. The lock is released last."""
     trainer = None
+    excepthook = sys.excepthook
+    lock = WorldLock(cfg)
     try:
+        lock.hold()
         check_data_sources(cfg)
         trainer = Trainer(cfg)
         state = trainer.fit()
     except BaseException as e:
         distributed.teardown(barrier=False)
+        if _world() == 1:  # torch.distributed prefixes "[rank0]: " to every traceback line
+            sys.excepthook = excepthook
         step = trainer.state.step if trainer is not None else None
         lost = distributed.collective_failure(e, cfg.parallel.timeout_minutes)
         reason = lost or f"{type(e).__name__}: {e}"
-        _record_exit(cfg, "failed", reason, step, exit_code_for(e), any_rank=lost is not None)
+        if lock.held:  # never into the run dir of another trainer, nor one that cannot be written
+            _record_exit(cfg, "failed", reason, step, exit_code_for(e), any_rank=lost is not None)
+        lock.release()
         raise
     if state.stop_requested:
         _record_exit(cfg, "checkpointed", state.stop_requested, state.step, EXIT_CHECKPOINTED)
     else:
         _record_exit(cfg, "finished", None, state.step, 0)
     distributed.teardown()  # its barrier: no rank leaves before rank 0's record is on disk
+    lock.release()
     return state
 
 
@@ -72,6 +86,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 # errors that are the user's to fix (config, layout, checkpoint, data): exit 2, like a usage error
 USER_ERRORS = (
     ConfigError,
@@ -81,10 +99,12 @@ USER_ERRORS = (
     data_contract.DataContractError,
     nonfinite.NonFiniteError,
     DeadlineError,
+    RunDirError,
 )
 
-# kinds every rank raises alike (they depend on the config and the world size only): rank 0 speaks for all
-SAME_ON_EVERY_RANK = (ConfigError, LayoutError)
+# kinds every rank raises alike (they depend on the config and the world size only, or rank 0 told every
+# rank: the run dir's lock): rank 0 speaks for all
+SAME_ON_EVERY_RANK = (ConfigError, LayoutError, RunDirError)
 
 # how long a rank other than 0 waits for rank 0 to report the same error before reporting its own
 QUIET_RANK_GRACE_S = 5.0
@@ -98,16 +118,9 @@ def exit_code_for(error: BaseException) -> int:
 
 def check_data_sources(cfg: Config) -> None:
     """The configured local data sets, checked before any process group or model exists
-    (``batches.check_source``), in words that name the setting and the fix."""
-    d = cfg.data
-    if d.synthetic or (not d.sources and d.source == "builtin"):
-        return
-    if d.sources:
-        named = [(f"data.sources[{i}].path={s['path']}", str(s["path"])) for i, s in enumerate(d.sources)]
-    else:
-        named = [(f"data.source={d.source}", str(d.source))]
-    for setting, path in named:
-        check_source(setting, path, cfg.model.vocab_size)
+    (``batches.check_sources``: present, one tokenizer, a validation split when evaluating, every shard on
+    disk at its recorded size), in words that name the setting and the fix."""
+    check_sources(cfg)
 
 
 def user_error_message(error: BaseException, prog: str = "goat-dist train") -> str:

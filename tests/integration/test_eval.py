@@ -32,11 +32,19 @@ def png_ok(path) -> tuple[int, int]:
         return image.size
 
 
+def ppl_json(out) -> dict:
+    """The one data set's results in ``out`` (``ppl_<data set>_<split>.json``)."""
+    (path,) = out.glob("ppl_*.json")
+    return json.loads(path.read_text())
+
+
 def test_ppl_json_png_and_the_trainers_own_validation_loss(trained, tmp_path):
     out = tmp_path / "ppl"
     args = ["--checkpoint", str(trained), "--lengths", "64,128,256", "--tokens", "256", "--out", str(out)]
     proc = run(eval_command(1, "ppl", *args))
-    report = json.loads((out / "ppl.json").read_text())
+    (path,) = out.glob("ppl_builtin-stdlib-*_val.json")
+    report = json.loads(path.read_text())
+    assert report["tokenizer_check"] == "same as training"
     assert report["position"] == "goat" and report["train_seq_len"] == 64 and report["step"] == 12
     assert "non-overlapping" in report["protocol"] and report["tp"] == 1
     results = {r["length"]: r for r in report["results"]}
@@ -48,7 +56,7 @@ def test_ppl_json_png_and_the_trainers_own_validation_loss(trained, tmp_path):
     blocks = results[256]["loss_by_position"]
     assert [(b["start"], b["end"]) for b in blocks] == [(0, 64), (64, 128), (128, 192), (192, 256)]
     assert results[256]["ppl"] == pytest.approx(2.718281828 ** results[256]["loss"], rel=1e-6)
-    assert png_ok(out / "ppl.png")[0] > 400 and "ppl" in proc.stdout
+    assert png_ok(path.with_suffix(".png"))[0] > 400 and f"wrote {path}" in proc.stdout
 
 
 def test_passkey_grid_json_and_png(trained, tmp_path):
@@ -72,7 +80,7 @@ def test_tensor_parallel_eval_under_torchrun_matches_one_process(trained, tmp_pa
     args = ["ppl", "--checkpoint", str(trained), "--lengths", "64,256", "--tokens", "256"]
     run(eval_command(1, *args, "--out", str(tmp_path / "tp1")))
     run(eval_command(2, *args, "--out", str(tmp_path / "tp2")))
-    one, two = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("tp1", "tp2"))
+    one, two = (ppl_json(tmp_path / d) for d in ("tp1", "tp2"))
     assert (one["tp"], two["tp"]) == (1, 2)
     for a, b in zip(one["results"], two["results"]):
         assert a["length"] == b["length"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -104,7 +112,7 @@ def test_learned_positions_cannot_extrapolate(world1, tmp_path, builtin_cache):
         expect=2,
     )
     assert "learned cannot extrapolate" in proc.stderr and "32" in proc.stderr
-    assert not (export / "eval" / "ppl.json").exists()
+    assert not list((export / "eval").glob("ppl_*"))
 
 
 def test_bad_lengths_are_usage_errors():

@@ -58,15 +58,16 @@ def evaluate_all(study: dict) -> dict:
 
 def write_prior_pictures(model, out: Path, name: str) -> None:
     """The learned prior of the GOAT run's middle layer, as the TensorBoard pictures show it."""
-    from ...observe.figures import log_prior_figure, prior_curves_figure, save_png
+    from ...observe.figures import log_prior_figure, prior_curves_figure
     from ...observe.prior_snapshot import prior_snapshot
+    from ..plots import write_png
 
     middle = len(model.blocks) // 2
     snap = prior_snapshot(model, [middle], None, step=0)
     curves, heads, L = snap["layers"][middle], snap["heads"], snap["train_len"]
     title = f"{name}, layer {middle}"
-    save_png(prior_curves_figure(curves, heads, L, title), out / f"{name}_prior_curves.png")
-    save_png(log_prior_figure(curves, heads, L, title), out / f"{name}_log_prior.png")
+    write_png(prior_curves_figure(curves, heads, L, title), out / f"{name}_prior_curves.png")
+    write_png(log_prior_figure(curves, heads, L, title), out / f"{name}_log_prior.png")
 
 
 # ---- the whole study -----------------------------------------------------------------------------
