@@ -183,6 +183,7 @@ class GPT(nn.Module):
         activation_checkpointing: str = "none",
         context=model_parallel.WORLD,
         built=None,
+        documents: bool = True,
     ):
         """``context``: context parallelism (``parallel.context.ContextParallel``, None, or by default
         this process's, see ``parallel.model_parallel.apply``).
@@ -191,7 +192,12 @@ class GPT(nn.Module):
         the final norm, the output layer; together every parameter), in module order, once that part is
         built and initialised and before the next one is built. A training engine that partitions the
         parameters over data-parallel ranks takes them there (``engine.construct``), so a rank never holds
-        more than its partitions plus one part's whole tensors. The values do not depend on it."""
+        more than its partitions plus one part's whole tensors. The values do not depend on it.
+
+        ``documents``: whether positions may restart inside a row (packed documents,
+        ``data.document_masking``). The forward then finds the documents, which reads one value on the
+        host per micro-batch (``kernels.document_segments``); False skips that and its sync: every row
+        is one sequence."""
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -201,6 +207,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tp = tp  # the TP size the layers below are split for
         self.sequence_parallel = sequence_parallel  # megatron's layers below are built for it
+        self.documents = documents  # look for packed documents in every forward
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, tp)
         self.vocab_first = tp_rank * (self.padded_vocab // tp)  # this rank's first vocabulary column
@@ -261,7 +268,7 @@ class GPT(nn.Module):
             x = x + self.pos_embedding(position_ids)
         x = x.transpose(0, 1).contiguous()
         # None unless positions restart (packed documents); under CP the shard holds the whole rows'
-        segments = document_segments(position_ids) if shard is None else None
+        segments = document_segments(position_ids) if shard is None and self.documents else None
         x = self.into_sequence_region(x)  # scatter under SP (parallel.model_parallel)
         for block in self.blocks:
             x = self.block_call(self, block, x, position_ids, segments, shard)  # checkpointed under ``full``
@@ -290,7 +297,7 @@ class GPT(nn.Module):
         ``cp x (its tokens' loss sum) / (tokens of the whole rows)``, whose mean over the CP group is the
         whole rows' mean (gradients are averaged over DP x CP, so the factor cp cancels there too).
         The CP group is ``self.context``, set up by ``parallel.model_parallel.apply``."""
-        shard = None if self.context is None else self.context.shard(position_ids)
+        shard = None if self.context is None else self.context.shard(position_ids, self.documents)
         count = None
         if shard is not None:
             if labels is not None:

@@ -117,8 +117,8 @@ class ContextParallel:
     rank: int
     group: object = None
 
-    def shard(self, position_ids: torch.Tensor) -> ContextShard:
-        return make_shard(position_ids, self.cp, self.rank, self.group)
+    def shard(self, position_ids: torch.Tensor, documents: bool = True) -> ContextShard:
+        return make_shard(position_ids, self.cp, self.rank, self.group, documents)
 
 
 def context_parallel() -> ContextParallel | None:
@@ -133,7 +133,10 @@ def context_shard(position_ids: torch.Tensor) -> ContextShard | None:
     return None if context is None else context.shard(position_ids)
 
 
-def make_shard(position_ids: torch.Tensor, cp: int, rank: int, group=None) -> ContextShard:
+def make_shard(
+    position_ids: torch.Tensor, cp: int, rank: int, group=None, documents: bool = True
+) -> ContextShard:
+    """``documents``: look for packed documents in the whole rows (a host sync); False: one per row."""
     L = position_ids.shape[1]
     if L % (2 * cp):
         raise ValueError(f"sequence length {L} is not divisible by 2 x parallel.cp = {2 * cp}")
@@ -143,7 +146,7 @@ def make_shard(position_ids: torch.Tensor, cp: int, rank: int, group=None) -> Co
         group=group,
         chunk=L // (2 * cp),
         positions=position_ids,
-        segments=document_segments(position_ids),
+        segments=document_segments(position_ids) if documents else None,
         origin=sequence_origin(position_ids),
     )
 

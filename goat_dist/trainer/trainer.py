@@ -94,6 +94,7 @@ class Trainer:
             sequence_parallel=cfg.parallel.sp,
             activation_checkpointing=cfg.train.activation_checkpointing,
             built=partition_as_built(cfg, self.grad_accum),  # ZeRO-3: partitioned part by part
+            documents=cfg.data.document_masking,  # else no host sync to look for documents
         )
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
