@@ -112,6 +112,9 @@ class TrainConfig:
     # training length in tokens instead of steps: max_steps = ceil(max_tokens / (global batch x seq_len)),
     # set when the config is loaded; 0: max_steps decides
     max_tokens: int = 0
+    # [start, increment, ramp_tokens]: the global batch grows from `start` sequences by `increment` over the
+    # first ramp_tokens tokens to global_batch_size (Megatron's --rampup-batch-size; goat_dist/rampup.py)
+    batch_rampup: list | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -355,6 +358,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def _check_rampup(t: TrainConfig) -> None:
+    ramp = t.batch_rampup
+    if ramp is None:
+        return
+    shape = isinstance(ramp, list) and len(ramp) == 3 and all(type(v) is int and v > 0 for v in ramp)
+    if not shape:
+        raise ConfigError(
+            f"train.batch_rampup must be [start, increment, ramp_tokens] (positive integers), got {ramp!r}"
+        )
+    start, increment, _ = ramp
+    if start >= t.global_batch_size or (t.global_batch_size - start) % increment:
+        raise ConfigError(
+            f"train.batch_rampup={ramp}: the start ({start}) must be below train.global_batch_size="
+            f"{t.global_batch_size} and reach it in whole increments of {increment}"
+        )
+
+
 def _steps_given(update: dict) -> bool:
     train = update.get("train")
     return isinstance(train, dict) and "max_steps" in train
@@ -369,12 +389,13 @@ def _steps_from_tokens(cfg: Config, steps_given: bool) -> None:
         raise ConfigError(f"config key 'train.max_tokens' must be >= 0, got {t.max_tokens}")
     if not t.max_tokens:
         return
-    per_step = t.global_batch_size * cfg.model.seq_len
-    steps = -(-t.max_tokens // per_step)
+    from .rampup import steps_for_tokens
+
+    steps = steps_for_tokens(t.max_tokens, t.global_batch_size, t.batch_rampup, cfg.model.seq_len)
     if steps_given and t.max_steps != steps:
         raise ConfigError(
-            f"train.max_tokens={t.max_tokens} is {steps} steps of {per_step} tokens (train.global_batch_size "
-            f"x model.seq_len), but train.max_steps={t.max_steps} is also set; set one of them"
+            f"train.max_tokens={t.max_tokens} is {steps} steps of train.global_batch_size x model.seq_len "
+            f"tokens (after any train.batch_rampup), but train.max_steps={t.max_steps} is also set; set one"
         )
     t.max_steps = steps
 
@@ -402,6 +423,7 @@ def validate(cfg: Config) -> None:
     _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(f"config key 'train.decay_fraction' must be in (0, 1], got {t.decay_fraction}")
+    _check_rampup(t)
     plugins = t.callbacks if isinstance(t.callbacks, list) else [None]
     if not all(isinstance(e, str) and ":" in e.strip(":") for e in plugins):
         want = "a list of 'package.module:Name' strings"

@@ -118,3 +118,17 @@ def step_counters(engine) -> dict[str, int]:
 def set_step_counters(engine, counters: dict[str, int]) -> None:
     for key, value in counters.items():
         setattr(engine, key, value)
+
+
+# ---- batch ramp-up -----------------------------------------------------------------------------------
+def set_micro_batches(engine, micro_batches: int) -> None:
+    """Accumulate ``micro_batches`` micro-batches per optimizer step from now on (``train.batch_rampup``).
+
+    Call at a step boundary. DeepSpeed's ``set_train_batch_size`` keeps its global batch in its own units
+    (micro-batch x accumulation x its data-parallel world, which counts CP replicas too) and divides each
+    loss by the accumulation; ZeRO-1/2/3 read the count from the engine's config at every micro-batch
+    (their own copy serves CPU offload only, kept in step here)."""
+    size = engine.train_micro_batch_size_per_gpu() * micro_batches * engine.dp_world_size
+    engine.set_train_batch_size(size)
+    if hasattr(engine.optimizer, "gradient_accumulation_steps"):
+        engine.optimizer.gradient_accumulation_steps = micro_batches

@@ -13,6 +13,7 @@ from ..config import Config
 from ..distributed import check_layout
 from ..observe.flops import flops_per_token
 from ..precision import resolve_precision
+from ..rampup import ramp_sizes
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
 from .memory import (
@@ -221,6 +222,15 @@ def make_plan(
         notes.append(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"micro-batch {t.micro_batch_size} x DP {dp}; the trainer refuses it"
+        )
+    t = cfg.train
+    if t.batch_rampup:
+        sizes = ramp_sizes(t.global_batch_size, t.batch_rampup)
+        odd = [s for s in sizes if s % (t.micro_batch_size * dp)]
+        notes.append(
+            f"train.batch_rampup: {len(sizes) - 1} smaller global batches first ({sizes[0]} to {sizes[-2]} "
+            "sequences; memory is per micro-batch and the same, the step time shown is the full batch's)"
+            + (f"; {odd} are not divisible by micro-batch x DP: the trainer refuses them" if odd else "")
         )
     backend = cfg.model.attention_backend
     if (cfg.model.position == "alibi" and backend == "sdpa") or backend == "eager":

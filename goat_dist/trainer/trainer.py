@@ -18,10 +18,11 @@ from ..config import Config, save_config
 from ..data import contract as data_contract
 from ..data.batches import data_sources, train_loader, val_loader
 from ..engine.construct import partition_as_built
-from ..engine.steps import local_grads_nonfinite, update_dropped
+from ..engine.steps import local_grads_nonfinite, set_micro_batches, update_dropped
 from ..model import GPT
 from ..parallel.parallelize import parallelize
 from ..precision import autocast_context, resolve_precision
+from ..rampup import batch_at, ramp_sizes
 from . import nonfinite, unreadable
 from .callbacks import (
     Callback,
@@ -52,8 +53,10 @@ def seed_everything(seed: int) -> None:
 
 
 def gradient_accumulation(cfg: Config, dp: int) -> int:
+    """Micro-batches per step at the full global batch; every batch size of a ramp-up is checked too."""
     t = cfg.train
-    distributed.check_batch(t.global_batch_size, t.micro_batch_size, dp)
+    for size in ramp_sizes(t.global_batch_size, t.batch_rampup):
+        distributed.check_batch(size, t.micro_batch_size, dp)
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
@@ -241,15 +244,15 @@ class Trainer:
 
     def _loop(self, it) -> None:
         cfg, state, loop = self.cfg, self.state, self.loop
-        tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         while state.step < cfg.train.max_steps:
             self.signals.step_started()  # the hang watchdog: stacks of this rank if the step never ends
             t0 = time.perf_counter()
+            batch = self.step_batch()
             self.emit("pre_step")
             control = self.train_step(it)
             state.step += 1
-            state.consumed_samples += cfg.train.global_batch_size
-            state.consumed_tokens += tokens_per_step
+            state.consumed_samples += batch
+            state.consumed_tokens += batch * cfg.model.seq_len
             state.data_skipped += control.skipped
             loop.last_step_s = time.perf_counter() - t0
             state.elapsed_s += loop.last_step_s
@@ -258,6 +261,20 @@ class Trainer:
                 state.stop_requested = control.stop_reason
                 self.emit("on_stop", control.stop_reason)
                 return
+
+    def step_batch(self) -> int:
+        """The global batch (sequences) of the step about to run: ``train.global_batch_size``, or under
+        ``train.batch_rampup`` the ramp's size at the samples consumed so far, with the engine set to
+        accumulate the micro-batches it takes."""
+        t = self.cfg.train
+        size = batch_at(
+            self.state.consumed_samples, t.global_batch_size, t.batch_rampup, self.cfg.model.seq_len
+        )
+        micro_batches = size // (t.micro_batch_size * self.layout.dp)
+        if micro_batches != self.grad_accum:
+            set_micro_batches(self.engine, micro_batches)
+            self.grad_accum = micro_batches
+        return size
 
     def batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The next micro-batch of ``it`` on this rank's device (tokens, positions, labels) and as loaded."""

@@ -155,11 +155,14 @@ def test_truncated_checkpoint_file_is_named(tmp_path, builtin_cache):
     assert "universal/rank00000.safetensors" in out.stderr and "step 4" in out.stderr
 
 
+RAMP = "train.batch_rampup=[4,4,2816]"  # 2816 tokens = 44 samples of 64 at 4 sequences, then 8
 LAYOUT_CHANGES = [
     ("tp2-to-tp1", 2, ["parallel.tp=2"], 1, []),
     ("tp1-to-tp2", 1, [], 2, ["parallel.tp=2"]),
     ("dp2-to-dp1", 2, ["parallel.zero_stage=1"], 1, []),
-    ("dp1-to-dp2", 1, [], 2, ["parallel.zero_stage=2"]),
+    # under a batch ramp-up (4 sequences for the first 44 samples, then 8): the resume at step 10 lands
+    # inside the ramp and its step 12 is the first at the full size, at DP=2
+    ("dp1-to-dp2-rampup", 1, [RAMP], 2, ["parallel.zero_stage=2", RAMP]),
     ("zero1-to-zero3", 2, ["parallel.zero_stage=1"], 2, ["parallel.zero_stage=3"]),
     ("zero3-to-tp2", 2, ["parallel.zero_stage=3"], 2, ["parallel.tp=2"]),
 ]
@@ -177,6 +180,9 @@ def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builti
     for step in (11, 12):
         assert abs(got[step][0] - expected[step][0]) <= 1e-4 * expected[step][0], f"{name} step {step}"
         assert got[step][1] == expected[step][1], f"{name} step {step}: different data"
+    if RAMP in new:
+        tokens = {r["step"]: r["consumed_tokens"] for r in records(after) if "consumed_tokens" in r}
+        assert tokens[11] == 11 * 4 * 64 and tokens[12] == (11 * 4 + 8) * 64  # 4 until sample 44, then 8
 
 
 # bf16 across layouts. Measured on the 2-core CPU machine: the first resumed step's loss within 1e-7

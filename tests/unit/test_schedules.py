@@ -10,6 +10,7 @@ import torch
 
 from goat_dist.config import ConfigError, TrainConfig, load_config, save_config
 from goat_dist.optim import lr_at
+from goat_dist.rampup import batch_at, ramp_sizes, steps_for_tokens
 
 
 def cfg(**kw) -> TrainConfig:
@@ -101,3 +102,64 @@ def test_bad_schedule_keys_are_named(override, key):
 
 def test_defaults_keep_the_cosine_schedule():
     assert dataclasses.asdict(TrainConfig())["lr_schedule"] == "cosine"
+
+
+# ---- batch ramp-up --------------------------------------------------------------------------------------
+def brute_steps(tokens: int, final: int, ramp, seq_len: int) -> int:
+    samples = steps = 0
+    while samples * seq_len < tokens:
+        samples += batch_at(samples, final, ramp, seq_len)
+        steps += 1
+    return steps
+
+
+def test_rampup_sizes_follow_the_samples_consumed():
+    ramp, seq = [4, 4, 64 * 30], 64  # 3 levels below 16: 10 samples at each of 4, 8, 12
+    assert [batch_at(s, 16, ramp, seq) for s in (0, 9, 10, 19, 20, 29, 30, 10**6)] == [
+        4,
+        4,
+        8,
+        8,
+        12,
+        12,
+        16,
+        16,
+    ]
+    assert ramp_sizes(16, ramp) == [4, 8, 12, 16] and ramp_sizes(16, None) == [16]
+    assert batch_at(0, 16, None, seq) == 16
+
+
+@pytest.mark.parametrize("ramp", [None, [4, 4, 64 * 30], [2, 6, 1000], [1, 1, 64 * 7]])
+@pytest.mark.parametrize("tokens", [1, 64 * 5, 64 * 31, 64 * 1000 + 3])
+def test_steps_for_tokens_counts_whole_steps(ramp, tokens):
+    final = 8 if ramp == [1, 1, 64 * 7] else 20 if ramp == [2, 6, 1000] else 16
+    assert steps_for_tokens(tokens, final, ramp, 64) == brute_steps(tokens, final, ramp, 64)
+
+
+def test_max_tokens_counts_the_ramp():
+    c = load_config(None, ["train.max_tokens=8192", "train.global_batch_size=8", "model.seq_len=64",
+                           "train.batch_rampup=[4,4,2816]"])  # fmt: skip
+    assert c.train.max_steps == 11 + math.ceil((8192 // 64 - 44) / 8) == 22
+
+
+@pytest.mark.parametrize("ramp", ["[4,4]", "[0,4,100]", "[8,4,100]", "[3,2,100]", "[4,4,1.5]"])
+def test_a_bad_rampup_is_named(ramp):
+    with pytest.raises(ConfigError, match=r"train\.batch_rampup"):
+        load_config(None, ["train.global_batch_size=8", f"train.batch_rampup={ramp}"])
+
+
+def test_the_planner_names_the_ramp_and_sizes_the_trainer_would_refuse():
+    from goat_dist.plan.hardware import gpu
+    from goat_dist.plan.planner import make_plan
+
+    fine = load_config(
+        None, ["train.global_batch_size=64", "train.micro_batch_size=1", "train.batch_rampup=[16,16,100000]"]
+    )
+    notes = " ".join(make_plan(fine, 1, 8, gpu("h100-80gb"))["notes"])
+    assert "3 smaller global batches first (16 to 48 sequences" in notes and "refuses" not in notes
+    odd = load_config(
+        None, ["train.global_batch_size=64", "train.micro_batch_size=1", "train.batch_rampup=[4,4,100000]"]
+    )
+    assert "[4, 12, 20, 28, 36, 44, 52, 60] are not divisible" in " ".join(
+        make_plan(odd, 1, 8, gpu("h100-80gb"))["notes"]
+    )

@@ -18,10 +18,8 @@ class Throughput(Callback):
 
     def __init__(self, trainer):
         self.attach(trainer)
-        cfg = trainer.cfg
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.observed = None
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
         self.paused_at: float | None = None  # when this step boundary's other work began
         self.lr = 0.0
 
@@ -33,6 +31,7 @@ class Throughput(Callback):
         replicas = dataclasses.replace(t.layout, dp=t.layout.replicas, dp_rank=t.layout.replica_rank)
         self.observed = StepMetrics(t.cfg, t.engine.module, replicas, t.loop.loader.dataset)
         self.window_start, self.window_steps, self.paused_at = time.perf_counter(), 0, None
+        self.window_tokens = state.consumed_tokens  # the window's tokens: what the steps consumed
 
     def pre_step(self, state):
         if self.paused_at is not None:  # the last step boundary's evaluation, pictures, saves
@@ -47,7 +46,7 @@ class Throughput(Callback):
         last = state.step == t.cfg.train.max_steps
         if state.step % every == 0 or last or state.step == 1 or control.dropped:
             seconds = time.perf_counter() - self.window_start
-            tokens_per_s = self.tokens_per_step * self.window_steps / seconds
+            tokens_per_s = (state.consumed_tokens - self.window_tokens) / seconds  # ramp-up: sizes vary
             state.metrics = {
                 "data_fingerprint": control.fingerprint,
                 "data_skipped": state.data_skipped,
@@ -63,4 +62,5 @@ class Throughput(Callback):
             }
             t.emit("on_log", state.metrics)
             self.window_start, self.window_steps = time.perf_counter(), 0
+            self.window_tokens = state.consumed_tokens
         self.paused_at = time.perf_counter()
