@@ -1,5 +1,6 @@
-"""`goat-dist study`: config checks, seed statistics and the resolved-difference rule on synthetic numbers,
-tables, pictures, the GOAT ablation priors, and micro studies end to end (slow)."""
+"""`goat-dist study`: config checks, seed statistics and the paired t-test on synthetic numbers, the
+sequential seeds' run loop (in process, on synthetic reports), tables, pictures, the GOAT ablation
+priors, and micro studies end to end (slow). The statistics themselves: tests/unit/test_study_stats.py."""
 
 from __future__ import annotations
 
@@ -39,15 +40,54 @@ def test_extrapolation_study_is_the_issue_design():
     assert quick["overrides"][: len(study["overrides"])] == study["overrides"]
 
 
-def test_passkey_study_covers_every_scheme():
+def test_passkey_study_covers_every_scheme_over_three_seeds():
     study = load_study(STUDY / "passkey.yaml")
     assert sorted(study["runs"]) == ["alibi", "goat", "nope", "rope"]
     assert study["eval"]["task"] == "passkey" and study["eval"]["multiples"] == [1, 2, 4, 8]
     assert "data.synthetic=passkey" in study["overrides"]
+    assert len(study["seeds"]) >= 3 and len(study["compare"]) == 6  # every pair at every length
     assert len(load_study(STUDY / "passkey.yaml", quick=True)["seeds"]) == 1
 
 
-@pytest.mark.parametrize("name", ["extrapolation.yaml", "passkey.yaml"])
+def test_goat_vs_alibi_study_decides_by_sequential_seeds():
+    study = load_study(STUDY / "goat_vs_alibi.yaml")
+    extrapolation = load_study(STUDY / "extrapolation.yaml")
+    assert study["runs"] == {n: extrapolation["runs"][n] for n in ("goat", "alibi")}
+    assert study["train_config"] == extrapolation["train_config"] and study["eval"] == extrapolation["eval"]
+    assert study["overrides"] == extrapolation["overrides"]  # its seeds 1-3 train as the extrapolation's
+    rule = study["sequential"]
+    assert rule["min"] == 3 and rule["max"] >= 10 and rule["looks"] == list(range(3, rule["max"] + 1))
+    assert study["seeds"] == list(range(1, rule["max"] + 1)) and rule["stop_when"] == "resolved"
+    assert study["primary"] == {"a": "goat", "b": "alibi", "length": 1, "column": 0, "metric": "loss"}
+    assert study["alpha"] == 0.05 and study["effect_size_nats"] == 0.065
+    assert study["jobs"] * study["threads"] == 2 and study["jobs"] == len(study["runs"])  # a seed per round
+    quick = load_study(STUDY / "goat_vs_alibi.yaml", quick=True)
+    assert quick["sequential"]["max"] <= 3 and quick["out"] != study["out"]
+
+
+def test_sequential_seeds_and_primary_parse(tmp_path):
+    path = tmp_path / "s.yaml"
+    spec = {"runs": {"a": [], "b": [], "c": []}, "compare": [["b", "c"]], "eval": {"multiples": [1, 4]},
+            "seeds": {"min": 2, "max": 6, "first": 11, "looks": [2, 4, 6], "boundary": "pocock"},
+            "primary": {"a": "a", "b": "c", "length": 4, "metric": "last_block"}, "alpha": 0.1}  # fmt: skip
+    path.write_text(yaml.safe_dump(spec))
+    study = load_study(path)
+    assert study["seeds"] == [11, 12, 13, 14, 15, 16] and study["sequential"]["looks"] == [2, 4, 6]
+    assert study["primary"]["column"] == 1 and study["primary"]["metric"] == "last_block"
+    assert study["compare"] == [("a", "c"), ("b", "c")]  # the primary pair is always compared
+    assert study["alpha"] == 0.1 and study["effect_size_nats"] == 0.065
+    path.write_text(yaml.safe_dump({**spec, "seeds": {"max": 5}, "compare": [["c", "a"]]}))
+    study = load_study(path)
+    assert study["sequential"]["looks"] == [3, 4, 5] and study["sequential"]["boundary"] == "obrien-fleming"
+    assert study["compare"] == [("c", "a")]
+    unlisted = {k: v for k, v in spec.items() if k != "compare"}
+    path.write_text(yaml.safe_dump({**unlisted, "primary": {"a": "c", "b": "a"}}))
+    assert load_study(path)["compare"] == [("c", "a"), ("a", "b"), ("b", "c")]  # every pair, primary's first
+    path.write_text(yaml.safe_dump({**spec, "seeds": [1, 2, 3]}))
+    assert load_study(path)["sequential"] is None  # a list: the fixed design, as before
+
+
+@pytest.mark.parametrize("name", ["extrapolation.yaml", "passkey.yaml", "goat_vs_alibi.yaml"])
 def test_every_study_run_is_a_valid_training_config(name):
     from goat_dist.config import load_config
 
@@ -78,6 +118,23 @@ def test_every_study_run_is_a_valid_training_config(name):
         ({"runs": {"a": []}, "plots": {"x/y": ["a"]}}, "plots.x/y"),
         ({"runs": {"a": []}, "jobs": 0}, "'jobs'"),
         ({"runs": {"a": []}, "threads": "2"}, "'threads'"),
+        ({"runs": {"a": []}, "alpha": 0.7}, "'alpha'"),
+        ({"runs": {"a": []}, "effect_size_nats": 0}, "'effect_size_nats'"),
+        ({"runs": {"a": [], "b": []}, "primary": {"a": "a", "b": "a"}}, "primary.a"),
+        ({"runs": {"a": [], "b": []}, "primary": {"a": "a", "b": "b", "length": 3}}, "primary.length"),
+        (
+            {"runs": {"a": [], "b": []}, "primary": {"a": "a", "b": "b", "metric": "accuracy"}},
+            "primary.metric",
+        ),
+        ({"runs": {"a": [], "b": []}, "primary": ["a", "b"]}, "'primary'"),
+        ({"runs": {"a": []}, "seeds": {"max": 5}}, "name it"),
+        ({"runs": {"a": []}, "seeds": {"min": 3}}, "seeds.max"),
+        ({"runs": {"a": []}, "seeds": {"min": 1, "max": 4}}, "2 <= min <= max"),
+        ({"runs": {"a": []}, "seeds": {"max": 5, "stop_when": "never"}}, "stop_when"),
+        ({"runs": {"a": []}, "seeds": {"max": 5, "boundary": "haybittle"}}, "seeds.boundary"),
+        ({"runs": {"a": []}, "seeds": {"max": 5, "looks": [3, 4]}}, "seeds.looks"),
+        ({"runs": {"a": []}, "seeds": {"max": 5, "looks": [4, 3, 5]}}, "seeds.looks"),
+        ({"runs": {"a": []}, "seeds": {"max": 5, "every": 2}}, "unknown keys in 'seeds'"),
     ],
 )
 def test_bad_study_configs_name_the_key(tmp_path, spec, needle):
@@ -157,15 +214,13 @@ def test_a_difference_within_two_standard_errors_is_not_resolved():
     assert not d["resolved"]
 
 
-def test_the_rule_is_two_standard_errors_exactly():
-    # diffs 1, 2, 3: mean 2, std 1, se 1/sqrt(3) = 0.577; 2 SE = 1.155 < 2: resolved
-    assert study_stats.paired_difference({"1": 1.0, "2": 2.0, "3": 3.0}, {"1": 0.0, "2": 0.0, "3": 0.0})[
-        "resolved"
-    ]
-    # diffs -1, 1, 3: mean 1, std 2, se 1.155; 2 SE = 2.31 > 1: not resolved
-    assert not study_stats.paired_difference({"1": -1.0, "2": 1.0, "3": 3.0}, {"1": 0, "2": 0, "3": 0})[
-        "resolved"
-    ]
+def test_resolved_is_the_paired_t_test_at_alpha_not_two_standard_errors():
+    # diffs 1, 2, 3: mean 2, se 1/sqrt(3): t = 3.46 > 2 (the old "2 SE" rule resolved it), but with 2 df
+    # its two-sided p is 0.074: not resolved at alpha 0.05, resolved at 0.1
+    a, zero = {"1": 1.0, "2": 2.0, "3": 3.0}, {"1": 0.0, "2": 0.0, "3": 0.0}
+    d = study_stats.paired_difference(a, zero)
+    assert d["t"] == pytest.approx(2 * math.sqrt(3)) and d["p"] == pytest.approx(0.0742, abs=1e-4)
+    assert not d["resolved"] and study_stats.paired_difference(a, zero, alpha=0.1)["resolved"]
 
 
 def test_one_seed_resolves_nothing_and_pairs_follow_seed_names():
@@ -210,11 +265,21 @@ def test_tables_mark_the_best_and_the_resolved_differences():
     tied = {"a": {"1": {"loss": [1.0]}}, "b": {"1": {"loss": [1.0001]}}, "c": {"1": {"loss": [2.0]}}}
     tied_text = study_tables.summary_table(tied, "loss", ["1x"], {r: info["good"] for r in tied}, digits=2)
     assert tied_text.count("**") == 4 and "**2.00**" not in tied_text  # a tie at the shown precision
-    rows = study_stats.compare(per_seed, "loss", [("good", "mid"), ("mid", "bad")])
+    rows = study_stats.compare(per_seed, "loss", [("good", "mid"), ("mid", "bad")], 0.05, 0.065)
     pairs = study_tables.pairs_table(rows, ["1x", "2x"])
-    assert "| good − mid | -0.100 ± 0.000 ✓ |" in pairs
-    mid_bad = next(line for line in pairs.splitlines() if line.startswith("| mid − bad"))
-    assert mid_bad.count("✓") == 2
+    assert study_tables.pairs_table([], ["1x"]) == "(no pairs to compare)"  # a study of one run
+    assert "| a − b | length | mean | 95 % CI | p | SD | seeds | power at 0.065 | seeds for 80 % |" in pairs
+    assert "| good − mid | 1x | −0.100 ✓ | [−0.100, −0.100] | < 0.0001 | 0.000 | 3 | 100 % | 2 |" in pairs
+    good_2x = rows[1]  # diffs 0, +0.2, -0.2: mean 0, sd 0.2
+    assert good_2x["p"] == pytest.approx(1.0) and good_2x["power"] == pytest.approx(
+        study_stats.t_power(0.065, 0.2, 3)
+    )
+    line = (
+        f"| good − mid | 2x | +0.000 | [−0.497, +0.497] | 1 | 0.200 | 3 | {100 * good_2x['power']:.0f} % | "
+    )
+    assert line + f"{study_stats.seeds_for_power(0.065, 0.2)} |" in pairs
+    mid_bad = [line for line in pairs.splitlines() if line.startswith("| mid − bad")]
+    assert len(mid_bad) == 2 and all("✓" in line for line in mid_bad)
     seeds = study_tables.seeds_table(per_seed, "loss", ["1x", "2x"])
     assert "| bad | 2 | 6.300 | 6.300 |" in seeds and seeds.count("\n") == 2 + 9 - 1
 
@@ -232,6 +297,87 @@ def test_ppl_and_passkey_metrics_from_reports():
     p = study_stats.passkey_metrics(passkey)
     assert p["accuracy"] == [0.75, 0.125] and p["digit_accuracy"] == [1.0, 0.4]
     assert p["grid"] == [1.0, 0.5, 0.0, 0.25]
+
+
+# ---- sequential seeds, in process on synthetic reports --------------------------------------------
+def fake_ppl_report(loss: float, multiples=(1, 2)) -> dict:
+    results = [{"length": 32 * m, "loss": loss, "loss_by_position": [{"loss": loss}] * m} for m in multiples]
+    return {"results": results, "eval_s": 0.0}
+
+
+def sequential_study(tmp_path, effect: float, noise: float, seed: int = 0):
+    """A sequential study whose training and evaluation are replaced by synthetic losses: goat is
+    ``effect`` lower than alibi on every seed, plus per-seed noise of SD ``noise``."""
+    import numpy as np
+
+    path = tmp_path / "s.yaml"
+    spec = {"runs": {"goat": [], "alibi": []}, "seeds": {"min": 3, "max": 8}, "out": str(tmp_path / "o"),
+            "primary": {"a": "goat", "b": "alibi", "length": 1}, "eval": {"multiples": [1, 2]}}  # fmt: skip
+    path.write_text(yaml.safe_dump(spec))
+    study = load_study(path)
+    rng = np.random.default_rng(seed)
+    shared = {s: 4.6 + rng.normal(0, 0.1) for s in study["seeds"]}
+    own = {(r, s): rng.normal(0, noise) for r in study["runs"] for s in study["seeds"]}
+    loss = {(r, s): shared[s] + own[(r, s)] - (effect if r == "goat" else 0.0) for (r, s) in own}
+    batches = []
+
+    def train_all(sub, force):
+        batches.append(list(sub["seeds"]))
+        zero = {r: {str(s): 1.0 for s in sub["seeds"]} for r in sub["runs"]}
+        return {"seconds": zero, "cpu_s": zero, "loads": [0.5]}
+
+    def evaluate_all(st, seeds=None):
+        return {r: {str(s): fake_ppl_report(loss[(r, s)]) for s in seeds} for r in st["runs"]}
+
+    return study, batches, train_all, evaluate_all
+
+
+def test_sequential_study_stops_at_the_first_crossing(tmp_path, monkeypatch):
+    from goat_dist.evaluation.study import main as study_main
+
+    study, batches, train_all, evaluate_all = sequential_study(tmp_path, effect=0.1, noise=0.002)
+    monkeypatch.setattr(study_main, "train_all", train_all)
+    monkeypatch.setattr(study_main, "evaluate_all", evaluate_all)
+    trained, reports, record = study_main.train_sequential(study, force=False)
+    assert batches == [[1, 2, 3]] and record["decision"] == "efficacy" and record["seeds"] == 3
+    assert sorted(reports["goat"]) == sorted(trained["seconds"]["alibi"]) == ["1", "2", "3"]
+    assert record["looks"][0]["mean"] == pytest.approx(-0.1, abs=0.01) and record["looks"][0]["crossed"]
+    used = {**study, "seeds": study["seeds"][:3]}
+    per_seed = {r: {s: study_stats.ppl_metrics(x) for s, x in v.items()} for r, v in reports.items()}
+    diffs = study_main.primary_diffs(used, reports)
+    record["operating"] = study_main.operating_at_effect(used, record, diffs)
+    assert record["operating"]["power"] > 0.99  # SD 0.003 against an effect of 0.065
+    text = "\n".join(study_main.primary_section(used, per_seed, 32, record))
+    assert "### Primary comparison: goat − alibi" in text and "1x (32)" in text
+    assert "obrien-fleming boundary over looks at 3, 4, 5, 6, 7, 8 seeds" in text
+    assert "Decision: crossed at 3 seeds: resolved, goat lower" in text and "| 1 | 3 | −0.099 |" in text
+
+
+def test_sequential_study_without_a_difference_runs_every_look(tmp_path, monkeypatch):
+    from goat_dist.evaluation.study import main as study_main
+
+    study, batches, train_all, evaluate_all = sequential_study(tmp_path, effect=0.0, noise=0.05, seed=4)
+    monkeypatch.setattr(study_main, "train_all", train_all)
+    monkeypatch.setattr(study_main, "evaluate_all", evaluate_all)
+    trained, reports, record = study_main.train_sequential(study, force=False)
+    assert batches == [[1, 2, 3], [4], [5], [6], [7], [8]]  # seed by seed after the first look
+    assert record["decision"] == "max" and [k["n"] for k in record["looks"]] == [3, 4, 5, 6, 7, 8]
+    assert not any(k["crossed"] for k in record["looks"]) and len(reports["alibi"]) == 8
+    text = "\n".join(study_tables.primary_markdown(study, {}, ["1x", "2x"], record))
+    assert "Decision: not resolved after the last look (8 seeds)" in text
+
+
+def test_fixed_design_primary_is_the_paired_test(tmp_path):
+    per_seed = synthetic_per_seed()
+    study = {"primary": {"a": "good", "b": "mid", "length": 1, "column": 0, "metric": "loss"},
+             "compare": [], "alpha": 0.05, "effect_size_nats": 0.065, "effect_size_accuracy": 0.1,
+             "seeds": [1, 2, 3], "eval": {"multiples": [1, 2]}}  # fmt: skip
+    from goat_dist.evaluation.study import main as study_main
+
+    text = "\n".join(study_main.primary_section(study, per_seed, 256, None))
+    assert "Fixed design, 3 seeds: mean −0.100, 95 % CI [−0.100, −0.100], p = < 0.0001" in text
+    assert "resolved; power at 0.065: 100 %" in text
+    assert study_main.primary_section({**study, "seeds": [1]}, per_seed, 256, None) == []
 
 
 # ---- pictures ------------------------------------------------------------------------------------
@@ -263,6 +409,25 @@ def test_passkey_grid_figure_has_one_heatmap_per_run(tmp_path):
     heatmaps = [ax for ax in fig.axes if ax.images]
     assert [ax.get_title() for ax in heatmaps] == ["goat", "alibi", "rope", "nope"]
     assert heatmaps[0].images[0].get_array().shape == (2, 3)  # depths x lengths
+    assert write_png(fig, tmp_path / "p.png").stat().st_size > 5000
+
+
+def test_passkey_heatmaps_show_the_mean_and_the_seed_spread(tmp_path):
+    from goat_dist.evaluation.plots import write_png
+    from goat_dist.evaluation.study.figures import passkey_spread_figure
+
+    grids = {"1": [1.0, 0.5, 0.2, 0.0], "2": [1.0, 0.7, 0.4, 0.0], "3": [1.0, 0.9, 0.0, 0.2]}  # 2 x 2 cells
+    per_seed = {r: {s: {"grid": g} for s, g in grids.items()} for r in ("goat", "alibi")}
+    fig = passkey_spread_figure(per_seed, [64, 128], [0.1, 0.9], 64, "t")
+    heatmaps = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in heatmaps] == ["goat", "alibi"]
+    image = heatmaps[0].images[0].get_array()
+    assert image.shape == (2, 2) and image[1, 0] == pytest.approx(0.7)  # depth 0.9 at 64: mean of .5 .7 .9
+    texts = {t.get_text() for t in heatmaps[0].texts}
+    assert "0.70±0.20\n0.50-0.90" in texts and "1.00±0.00\n1.00-1.00" in texts
+    assert "mean ± std, min-max" in fig._suptitle.get_text()
+    one = passkey_spread_figure({"goat": {"1": {"grid": grids["1"]}}}, [64, 128], [0.1, 0.9], 64, "t")
+    assert "0.50" in {t.get_text() for t in one.axes[0].texts}  # one seed: no spread to show
     assert write_png(fig, tmp_path / "p.png").stat().st_size > 5000
 
 
@@ -331,7 +496,7 @@ MICRO = [
 
 
 @pytest.mark.slow
-def test_micro_study_with_seeds_end_to_end(tmp_path, builtin_cache):
+def test_micro_study_with_sequential_seeds_end_to_end(tmp_path, builtin_cache):
     out = tmp_path / "out"
     spec = {
         "name": "micro",
@@ -339,7 +504,8 @@ def test_micro_study_with_seeds_end_to_end(tmp_path, builtin_cache):
         "train_config": str(STUDY / "base.yaml"),
         "overrides": [*MICRO, f"data.cache_dir={builtin_cache}", "data.builtin_max_bytes=1000000",
                       "model.vocab_size=4096"],
-        "seeds": [1, 2],
+        "seeds": {"min": 2, "max": 3},  # looks at 2 and 3 seeds: stops at 2 only if the boundary is crossed
+        "primary": {"a": "goat", "b": "rope", "length": 1},
         "jobs": 2,  # two trainings at once, one thread each, logs in <run_dir>/train.log
         "threads": 1,
         "runs": {"goat": ["model.position=goat"], "rope": ["model.position=rope"]},
@@ -349,24 +515,39 @@ def test_micro_study_with_seeds_end_to_end(tmp_path, builtin_cache):
     config.write_text(yaml.safe_dump(spec))
     proc = run([sys.executable, "-m", "goat_dist", "study", str(config)], timeout=900)
     summary = json.loads((out / "study.json").read_text())
-    assert summary["seeds"] == ["1", "2"] and sorted(summary["reports"]) == ["goat", "rope"]
+    record, seeds = summary["sequential"], summary["seeds"]
+    assert summary["planned_seeds"] == ["1", "2", "3"] and seeds == summary["planned_seeds"][: len(seeds)]
+    assert record["seeds"] == len(seeds) and [k["n"] for k in record["looks"]] == [2, 3][: len(seeds) - 1]
+    assert record["decision"] == ("efficacy" if record["looks"][-1]["crossed"] else "max")
+    assert record["design"]["looks"] == [2, 3] and "look 1/2 at 2 seeds" in proc.stdout
+    assert sorted(summary["reports"]) == ["goat", "rope"]
+    assert (
+        sorted(summary["reports"]["goat"]) == seeds and not (out / "goat" / f"seed{len(seeds) + 1}").exists()
+    )
     for name in ("goat", "rope"):
-        for seed in ("1", "2"):
+        for seed in seeds:
             report = summary["reports"][name][seed]
             assert [r["length"] for r in report["results"]] == [32, 64] and report["position"] == name
             assert len(list((out / name / f"seed{seed}" / "eval").glob("ppl_builtin-stdlib-*_val.json"))) == 1
             assert "done: 2 steps" in (out / name / f"seed{seed}" / "train.log").read_text()
             assert summary["train_cpu_s"][name][seed] > 0
         stats = summary["aggregate"]["loss"][name]
-        assert len(stats) == 2 and stats[0]["n"] == 2 and stats[0]["std"] > 0  # seeds differ
+        assert len(stats) == 2 and stats[0]["n"] == len(seeds) and stats[0]["std"] > 0  # seeds differ
     assert {(c["a"], c["b"], c["metric"]) for c in summary["comparisons"]} == {
         ("goat", "rope", "loss"), ("goat", "rope", "last_block")}  # fmt: skip
     md = (out / "study.md").read_text()
-    assert "| goat | goat | 64 |" in md and " ± " in md and "| goat − rope |" in md and "Protocol:" in md
+    assert (
+        "| goat | goat | 64 |" in md
+        and " ± " in md
+        and "| goat − rope | 1x (32) |" in md
+        and "Protocol:" in md
+    )
+    assert "### Primary comparison: goat − rope" in md and "Decision: " in md
     assert "| rope | 2 |" in md and "load average" in md
     assert (out / "study.png").stat().st_size > 5000 and "1x (32)" in proc.stdout
     again = run([sys.executable, "-m", "goat_dist", "study", str(config)], timeout=900)
-    assert again.stdout.count("reusing the finished run") == 4
+    assert again.stdout.count("reusing the finished run") == 2 * len(seeds)
+    assert json.loads((out / "study.json").read_text())["seeds"] == seeds  # the same data, the same stop
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""``run_study``: train, evaluate, and write the study's tables, JSON and pictures."""
+"""``run_study``: train, evaluate, and write the study's tables, JSON and pictures; with sequential seeds,
+train seed by seed and stop when the primary comparison crosses its boundary."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 
 from .runs import load_now, run_dir, seed_label, train_all
 from .spec import load_study
-from .stats import RESOLVE_SE, aggregate, compare, metric_names, passkey_metrics, ppl_metrics
-from .tables import passkey_markdown, ppl_markdown
+from .stats import aggregate, effect_for, metric_names, passkey_metrics, ppl_metrics, seed_stats
+from .tables import passkey_markdown, ppl_markdown, primary_markdown, study_compare
 
 
 def evaluate_one(study: dict, name: str, seed) -> tuple[dict, object]:
@@ -36,12 +37,13 @@ def evaluate_one(study: dict, name: str, seed) -> tuple[dict, object]:
     return report, session.model
 
 
-def evaluate_all(study: dict) -> dict:
-    """{run: {seed label: report}}; pictures of each GOAT run's learned prior (its first seed)."""
+def evaluate_all(study: dict, seeds: list | None = None) -> dict:
+    """{run: {seed label: report}} of ``seeds`` (default: all the study's); pictures of each GOAT run's
+    learned prior (the study's first seed)."""
     reports: dict[str, dict] = {}
     for name in study["runs"]:
         reports[name] = {}
-        for seed in study["seeds"]:
+        for seed in study["seeds"] if seeds is None else seeds:
             report, model = evaluate_one(study, name, seed)
             reports[name][seed_label(seed)] = report
             if study["eval"]["task"] == "ppl":
@@ -71,8 +73,70 @@ def write_prior_pictures(model, out: Path, name: str) -> None:
 
 
 # ---- the whole study -----------------------------------------------------------------------------
+def primary_diffs(study: dict, reports: dict) -> list[float]:
+    """The primary comparison's per-seed differences a - b, in seed order, over the seeds evaluated."""
+    pr = study["primary"]
+    metrics = ppl_metrics if study["eval"]["task"] == "ppl" else passkey_metrics
+    diffs = []
+    for seed in study["seeds"]:
+        label = seed_label(seed)
+        if label not in reports[pr["a"]] or label not in reports[pr["b"]]:
+            break
+        a, b = (metrics(reports[r][label])[pr["metric"]][pr["column"]] for r in (pr["a"], pr["b"]))
+        diffs.append(a - b)
+    return diffs
+
+
+def train_sequential(study: dict, force: bool) -> tuple[dict, dict, dict]:
+    """Train and evaluate seed by seed up to each look; after each look apply the stopping rule to the
+    primary comparison and stop at the first crossing (or after the last look). The boundary depends on
+    the study file only; the seeds after a stop are never trained."""
+    from .sequential import apply_rule, make_design
+
+    rule = study["sequential"]
+    design = make_design(rule["looks"], study["alpha"], rule["boundary"])
+    trained: dict = {"seconds": {n: {} for n in study["runs"]}, "cpu_s": {n: {} for n in study["runs"]}}
+    trained["loads"] = []
+    reports: dict = {name: {} for name in study["runs"]}
+    done, result = 0, None
+    for k, n in enumerate(design["looks"]):
+        batch = study["seeds"][done:n]
+        part = train_all({**study, "seeds": batch}, force)
+        for key in ("seconds", "cpu_s"):
+            for name, values in part[key].items():
+                trained[key][name].update(values)
+        trained["loads"] += part["loads"]
+        for name, seeds in evaluate_all(study, batch).items():
+            reports[name].update(seeds)
+        done = n
+        result = apply_rule(primary_diffs(study, reports), design)
+        last = result["looks"][-1]
+        print(
+            f"[study] look {k + 1}/{len(design['looks'])} at {n} seeds: {study['primary']['a']} - "
+            f"{study['primary']['b']} = {last['mean']:+.4f}, |t| {abs(last['t'] or 0):.2f} against "
+            f"{last['critical_t']:.2f}: {'crossed, stopping' if last['crossed'] else 'not crossed'}",
+            flush=True,
+        )
+        if last["crossed"]:
+            break
+    return trained, reports, {"design": design, **result}
+
+
+def operating_at_effect(study: dict, record: dict, diffs: list[float]) -> dict | None:
+    """The design's power at the study's effect size, given the SD of the primary differences seen."""
+    from .sequential import operating
+
+    sd = seed_stats(diffs)["std"]
+    if not sd:
+        return None
+    effect = effect_for(study["primary"]["metric"], study)
+    sim = operating(record["design"], effect / sd)
+    return {"effect": effect, "sd": sd, "power": sim["crossing"], "expected_seeds": sim["expected_seeds"]}
+
+
 def write_pictures(study: dict, reports: dict, per_seed: dict, train_len: int) -> list[Path]:
-    from ..plots import passkey_grid_figure, study_figure, write_png
+    from ..plots import study_figure, write_png
+    from .figures import passkey_spread_figure
 
     out, ev = study["out"], study["eval"]
     lengths = [m * train_len for m in ev["multiples"]]
@@ -88,14 +152,23 @@ def write_pictures(study: dict, reports: dict, per_seed: dict, train_len: int) -
             )
             written.append(write_png(fig, out / f"{stem}.png"))
         return written
-    grids = {}
-    for name in study["runs"]:
-        stats = aggregate({name: per_seed[name]}, "grid")[name]
-        depths = len(ev["depths"])
-        grids[name] = [[s["mean"] for s in stats[i * depths : (i + 1) * depths]] for i in range(len(lengths))]
     title = f"{study['name']}: exact match, {ev['samples']} samples per cell, {seeds} seed(s)"
-    fig = passkey_grid_figure(grids, lengths, ev["depths"], train_len, title)
+    fig = passkey_spread_figure(per_seed, lengths, ev["depths"], train_len, title)
     return [write_png(fig, out / "passkey_grid.png")]
+
+
+def primary_section(study: dict, per_seed: dict, train_len: int, record: dict | None) -> list[str]:
+    """The markdown of the primary comparison (none without one, or with one seed)."""
+    pr = study["primary"]
+    if pr is None or len(study["seeds"]) < 2:
+        return []
+    multiples = study["eval"]["multiples"]
+    if pr["metric"] == "last_block":
+        columns = [f"{m}x: [{(m - 1) * train_len}, {m * train_len})" for m in multiples]
+    else:
+        columns = [f"{m}x ({m * train_len})" for m in multiples]
+    row = study_compare({**study, "compare": [(pr["a"], pr["b"])]}, per_seed, pr["metric"])[pr["column"]]
+    return primary_markdown(study, row, columns, record)
 
 
 def run_info(reports: dict) -> dict:
@@ -137,8 +210,14 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
 
     t_start, load_start = time.perf_counter(), load_now()
     study = load_study(config, quick=quick)
-    trained = train_all(study, force)
-    reports = evaluate_all(study)
+    planned, record = study["seeds"], None
+    if study["sequential"]:
+        trained, reports, record = train_sequential(study, force)
+        study = {**study, "seeds": planned[: record["seeds"]]}
+        record["operating"] = operating_at_effect(study, record, primary_diffs(study, reports))
+    else:
+        trained = train_all(study, force)
+        reports = evaluate_all(study)
     out, ev = study["out"], study["eval"]
     info = run_info(reports)
     train_len = next(iter(info.values()))["train_seq_len"]
@@ -146,6 +225,14 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
     per_seed = {n: {s: metrics(r) for s, r in seeds.items()} for n, seeds in reports.items()}
     pictures = write_pictures(study, reports, per_seed, train_len)
     seeds = ", ".join(seed_label(s) for s in study["seeds"])
+    if record:
+        seeds += f" (sequential: planned up to {len(planned)}, {record['decision']} after {record['seeds']})"
+    comparisons = [
+        row
+        for m in (("loss", "last_block") if ev["task"] == "ppl" else ("accuracy",))
+        for row in study_compare(study, per_seed, m)
+    ]
+    primary = primary_section(study, per_seed, train_len, record)
     if ev["task"] == "ppl":
         length_max = max(ev["multiples"]) * train_len
         body = ppl_markdown(study, per_seed, info, train_len, length_max)
@@ -164,9 +251,11 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
         study["description"].strip(),
         "",
         f"Training length L = {train_len}; seeds {seeds}. Cells: mean ± standard deviation over seeds. "
-        f"Bold: the best mean; †: better than every other run by more than {RESOLVE_SE:g} standard errors of "
-        f"the paired per-seed difference. ✓ in the paired tables: that difference is resolved.",
+        f"Bold: the best mean; †: better than every other run, paired t-test p < {study['alpha']:g} against "
+        f"each. ✓ in the paired tables: p < {study['alpha']:g} (two-sided paired t-test over seeds; the "
+        f"secondary comparisons are not corrected for their number).",
         "",
+        *primary,
         *body,
         f"Protocol: {protocol}.",
         *timing_lines(trained, reports, total, load_start, load_now()),
@@ -176,16 +265,18 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
         "study": study["name"],
         "quick": quick,
         "seeds": [seed_label(s) for s in study["seeds"]],
+        "planned_seeds": [seed_label(s) for s in planned],
         "runs": study["runs"],
         "eval": ev,
-        "resolve_rule": f"|mean paired difference| > {RESOLVE_SE:g} x its standard error, >= 2 seeds",
+        "alpha": study["alpha"],
+        "effect_size_nats": study["effect_size_nats"],
+        "effect_size_accuracy": study["effect_size_accuracy"],
+        "resolve_rule": f"two-sided paired t-test over seeds, p < {study['alpha']:g}, >= 2 seeds",
+        "primary": study["primary"],
+        "sequential": record,
         "per_seed": per_seed,
         "aggregate": {m: aggregate(per_seed, m) for m in metric_names(per_seed)},
-        "comparisons": [
-            row
-            for m in (("loss", "last_block") if ev["task"] == "ppl" else ("accuracy",))
-            for row in compare(per_seed, m, study["compare"])
-        ],
+        "comparisons": comparisons,
         "train_s": trained["seconds"],
         "train_cpu_s": trained["cpu_s"],
         "loads": {"start": load_start, "run_starts": trained["loads"], "end": load_now()},
