@@ -9,7 +9,8 @@ Modules, one job each:
   shard_format  the on-disk format: names, sample keys, id dtypes, tar decoding, the manifest
   writer        ShardWriter: documents -> size-capped, reproducible tar shards
   digest        sha256/size of bytes streaming through a file (written or read shards)
-  inputs        raw corpora (text, JSONL, Parquet; .gz/.zst) -> documents, errors by file:line
+  inputs        raw corpora (text, JSONL, Parquet, Arrow; .gz/.zst) -> documents, errors by file:line
+  hf_datasets   Hugging Face datasets on disk (save_to_disk directories, Arrow files), read with pyarrow
   tokenizer     byte-level BPE: train, load, EOS
   encode        chunked, parallel, order-preserving tokenization
   prepare       the pipeline: documents -> train/val split -> shards + manifest (`prepare`)

@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 
-from data_tools.inputs import InputError, expand_inputs, iter_inputs
+from data_tools.inputs import InputError, check_text_field, expand_inputs, iter_inputs
 
 PROG = "python -m data_tools"
 
@@ -28,6 +28,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
     try:
         files = expand_inputs(args.input)
+        check_text_field(files, args.text_field)
         texts = (text for text, _ in iter_inputs(files, args.text_field))
         tok = train_bpe(texts, args.vocab_size, args.out)
     except InputError as exn:
@@ -95,16 +96,24 @@ def _add_tokenizer(sub) -> None:
     t.add_argument("--input", nargs="+", required=True, help="files, directories or globs")
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--out", required=True, help="tokenizer.json to write (its directory is created)")
-    t.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    t.add_argument("--text-field", default="text", help="JSONL field / Parquet, Arrow column (default: text)")
     t.set_defaults(func=cmd_tokenizer_train)
 
 
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val shards with a manifest")
-    p.add_argument("--input", nargs="+", required=True, help="files, directories or globs (.gz/.zst ok)")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, directories or globs: text, JSONL, Parquet (.gz/.zst ok), .arrow files, a datasets "
+        "save_to_disk directory (a DatasetDict: its train split)",
+    )
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (copied into the output)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    p.add_argument(
+        "--text-field", default="text", help="JSONL field / Parquet or Arrow column (default: text)"
+    )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (0: inline)")
     p.add_argument("--shard-size", type=float, default=64.0, metavar="MB", help="shard size (default 64)")
     val = p.add_mutually_exclusive_group()

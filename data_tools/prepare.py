@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.encode import Doc, encode_in_order, encoder_pool
-from data_tools.inputs import COMPRESSED_EXTS, expand_inputs, input_kind, iter_inputs
+from data_tools.inputs import COMPRESSED_EXTS, check_text_field, expand_inputs, input_kind, iter_inputs
 from data_tools.restart import PrepareProgress
 from data_tools.shard_format import (
     FIELDS,
@@ -246,8 +246,8 @@ def _start(out: Path, fingerprint: str, prefixes: dict, tokenizer: Path, echo) -
 
 
 def _plain_bytes(files: Sequence[Path]) -> int | None:
-    """Total input size when it measures progress (no compressed or Parquet input), else None."""
-    if any(p.name.lower().endswith(COMPRESSED_EXTS) or input_kind(p) == "parquet" for p in files):
+    """Total input size when it measures progress (no compressed, Parquet or Arrow input), else None."""
+    if any(p.name.lower().endswith(COMPRESSED_EXTS) or input_kind(p) in ("parquet", "arrow") for p in files):
         return None
     return sum(p.stat().st_size for p in files)
 
@@ -274,7 +274,8 @@ def prepare(
 
     Returns {"manifest", "docs_tokenized", "tokens_tokenized", "shards_reused", "seconds"}. Raises
     InputError (bad input, named by file and line), PrepareError (`out_dir` holds a finished data
-    set built differently) and ValueError (bad arguments).
+    set built differently) and ValueError (bad arguments, among them TextFieldError: a Parquet or Arrow
+    input without that text column, found before anything is written).
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -286,6 +287,7 @@ def prepare(
         workers = os.cpu_count() or 1
     t0 = time.perf_counter()
     files = expand_inputs(inputs)
+    check_text_field(files, text_field)
     tok = load_tokenizer(tokenizer)
     eos_token, eos = choose_eos(tok, tokenizer, eos_token)
     tokenizer_sha = sha256_file(tokenizer)

@@ -117,11 +117,13 @@ def cmd_passkey(args) -> int:
 
 
 def cmd_harness(args) -> int:
-    from .harness import load_tasks, require_lm_eval
+    from .harness import datasets_cache_env, load_tasks, require_lm_eval
 
     try:  # before loading the model: what a user can fix without it (lm-eval, the tasks and their data)
+        if args.datasets_cache:  # before lm-eval imports datasets, which reads it once
+            os.environ.update(datasets_cache_env(args.datasets_cache))
         require_lm_eval()
-        tasks = load_tasks(args.tasks, args.include_path)
+        tasks = load_tasks(args.tasks, args.include_path, args.datasets_cache)
     except EvalError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             _say("harness", e)
@@ -142,6 +144,7 @@ def cmd_harness(args) -> int:
             seed=args.seed,
             allow_other_tokenizer=args.allow_other_tokenizer,
             loaded_tasks=tasks,
+            datasets_cache=args.datasets_cache,
         )
         if report is None:  # not rank 0
             return []
@@ -217,6 +220,13 @@ def register(sub) -> None:
     p.add_argument("--limit", default=None, help="examples per task (a fraction of each task if < 1)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--include-path", default=None, help="a directory of extra lm-eval task YAML files")
+    p.add_argument(
+        "--datasets-cache",
+        default=None,
+        metavar="DIR",
+        help="offline: read the built-in tasks' data from this Hugging Face datasets cache, copied from a "
+        "machine where they ran (its ~/.cache/huggingface/datasets); sets HF_DATASETS_CACHE and offline mode",
+    )
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     p.add_argument(
         "--max-length", type=int, default=None, help="context in tokens (default: training length)"

@@ -7,6 +7,9 @@ model a ``Session`` loaded (the checkpoint forms of ``eval ppl``) and the tokeni
 trained on; ``lm_class`` wraps it in lm-eval's ``TemplateLM``, so every lm-eval task, built in or a local
 YAML file (``--include-path``), scores a checkpoint the way it scores a Hugging Face model.
 
+Offline, lm-eval's built-in tasks read their data from a datasets cache copied from a machine that ran
+them (``--datasets-cache``, see ``datasets_cache_env``).
+
 lm-eval is optional (``goat-dist[eval]``) and imported only when the command runs.
 
 Tensor parallelism: lm-eval sees one process; every rank runs every request (the TP ranks each hold a
@@ -247,11 +250,14 @@ def parse_limit(text: str | None) -> int | float | None:
     return value if value < 1 else int(value)
 
 
-def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[object, list]:
+def load_tasks(
+    tasks: list[str], include_path: str | None = None, datasets_cache: str | None = None
+) -> tuple[object, list]:
     """(lm-eval's TaskManager, every task built with its data loaded), before any model is: an unknown
     name or a data set that cannot be had (a built-in task offline) is an EvalError naming the task and
     how to get it, not a traceback after the model load. The built tasks go to ``simple_evaluate`` as
-    they are: their data is loaded once."""
+    they are: their data is loaded once. ``datasets_cache``: the ``--datasets-cache`` in effect (its
+    environment already set), named when a data set is not in it."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -271,7 +277,7 @@ def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[objec
         try:
             got = manager.load([name])
         except Exception as e:  # lm-eval and datasets raise many kinds; each is this task's to fix
-            raise EvalError(unloadable(name, e)) from e
+            raise EvalError(unloadable(name, e, datasets_cache)) from e
         inside = {child for group in got["groups"].values() for child in group.child_names}
         built += [g for n, g in got["groups"].items() if n not in inside]
         built += [t for n, t in got["tasks"].items() if n not in inside]
@@ -281,22 +287,49 @@ def load_tasks(tasks: list[str], include_path: str | None = None) -> tuple[objec
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def unloadable(task: str, error: BaseException) -> str:
+def datasets_cache_env(path: str) -> dict[str, str]:
+    """The environment under which lm-eval's ``datasets.load_dataset`` reads a copied datasets cache and
+    never the hub. Offline, datasets answers a hub name (``EleutherAI/lambada_openai``) with the newest
+    copy under ``<cache>/<namespace>___<name>/<config>/<version>/<hash>/``, which is what a run with
+    network leaves in ``~/.cache/huggingface/datasets``. ``path`` is that directory or the
+    ``~/.cache/huggingface`` (HF_HOME) above it. datasets reads these variables when it is imported:
+    set them before."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise EvalError(
+            f"--datasets-cache {path}: not a directory; pass the datasets cache copied from a machine where "
+            "the tasks ran (its ~/.cache/huggingface/datasets, or ~/.cache/huggingface)"
+        )
+    cache = root / "datasets" if (root / "datasets").is_dir() else root
+    return {"HF_DATASETS_CACHE": str(cache.resolve()), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def unloadable(task: str, error: BaseException, datasets_cache: str | None = None) -> str:
     """Why ``task`` could not be built, and how to run it: a data set the hub would serve (a network or
-    file error, or offline mode) gets the two ways to evaluate offline."""
+    file error, offline mode, or not in the datasets cache) gets the ways to evaluate offline."""
     import os
 
     detail = f"{type(error).__name__}: {error}".splitlines()[0]
     offline = [v for v in OFFLINE_VARS if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")]
-    if not (isinstance(error, OSError) or "hub" in detail.lower() or "offline" in detail.lower()):
+    words = ("hub", "offline", "couldn't find cache")
+    if not (isinstance(error, OSError) or any(w in detail.lower() for w in words)):
         return f"lm-eval task {task} could not be built ({detail}); fix the task or its YAML file"
+    if datasets_cache:
+        return (
+            f"lm-eval task {task}: its data set is not in --datasets-cache {datasets_cache} ({detail}). "
+            "datasets keeps a hub data set NAMESPACE/NAME there as NAMESPACE___NAME/CONFIG/VERSION/HASH/: "
+            "run the task once where the hub is reachable and copy that directory (or the whole "
+            "~/.cache/huggingface/datasets) into it, or describe the task in a YAML file over local data "
+            "files and pass --include-path DIR"
+        )
     why = f" ({', '.join(offline)} set)" if offline else ""
     return (
         f"lm-eval task {task}: its data set could not be loaded ({detail}). lm-eval's built-in tasks "
         f"download their data from the Hugging Face hub, which this machine cannot reach{why}. To run it "
-        "offline: run the task once where the hub is reachable and copy its datasets cache here (HF_HOME, "
-        "or HF_DATASETS_CACHE), or describe the task in a YAML file over local data files and pass "
-        "--include-path DIR (e.g. --tasks goat_python_choice --include-path tests/data/harness)"
+        "offline: run the task once where the hub is reachable, copy its datasets cache "
+        "(~/.cache/huggingface/datasets) here and pass --datasets-cache DIR (or set HF_DATASETS_CACHE), or "
+        "describe the task in a YAML file over local data files and pass --include-path DIR (e.g. --tasks "
+        "goat_python_choice --include-path tests/data/harness)"
     )
 
 
@@ -333,14 +366,16 @@ def harness_report(
     seed: int = 0,
     allow_other_tokenizer: bool = False,
     loaded_tasks: tuple[object, list] | None = None,
+    datasets_cache: str | None = None,
 ) -> dict | None:
     """Run lm-eval's ``simple_evaluate`` on ``tasks`` with the session's model; a JSON-ready dict on rank 0
     (None elsewhere: every rank runs the model, lm-eval aggregates on rank 0). ``loaded_tasks``: what
-    ``load_tasks`` returned for them, when the caller built them before the model."""
+    ``load_tasks`` returned for them, when the caller built them before the model; ``datasets_cache``:
+    the ``--datasets-cache`` they were read from, for the report."""
     lm_eval = require_lm_eval()
     from lm_eval.utils import handle_non_serializable
 
-    manager, built = loaded_tasks or load_tasks(tasks, include_path)
+    manager, built = loaded_tasks or load_tasks(tasks, include_path, datasets_cache)
     path, eos = find_tokenizer(session.loaded, session.layout.is_main, tokenizer)
     checked = check_tokenizer(session.loaded, path, allow_other_tokenizer)
     scorer = Scorer(session, path, eos, max_length or session.loaded.cfg.seq_len, batch_size)
@@ -371,6 +406,7 @@ def harness_report(
         "limit": limit,
         "num_fewshot": num_fewshot,
         "include_path": include_path,
+        "datasets_cache": datasets_cache,
         **{k: results[k] for k in keep if k in results},
         "configs": results.get("configs"),
     }

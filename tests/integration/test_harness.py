@@ -159,11 +159,76 @@ def test_rolling_loglikelihood_and_greedy_generation_on_an_export(trained, tmp_p
     assert capped == tok.decode(new[:5])
 
 
+# lambada_openai's rows: a passage whose last word, after one space, is the target (here Python, the tiny
+# model's language)
+LAMBADA_ROWS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n    return len(argv)",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x",
+    "for name in names:\n    if name is not None:\n        yield name",
+    "def add(a, b):\n    return a + b",
+]
+
+
+def copied_datasets_cache(root: Path) -> Path:
+    """A datasets cache holding EleutherAI/lambada_openai (config default, split test) as a run with the
+    hub leaves it: the parquet builder's dataset_info.json and lambada_openai-test.arrow under
+    <cache>/EleutherAI___lambada_openai/default/0.0.0/<commit>/, made here from LAMBADA_ROWS."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    root.mkdir(parents=True)
+    pq.write_table(pa.table({"text": LAMBADA_ROWS}), root / "test.parquet")
+    cache = root / "datasets"
+    builder = Parquet(
+        cache_dir=str(root / "build"),
+        dataset_name="lambada_openai",
+        config_name="default",
+        config_id="default",
+        data_files={"test": str(root / "test.parquet")},
+    )
+    builder.download_and_prepare(output_dir=str(cache / "EleutherAI___lambada_openai/default/0.0.0/0123abc"))
+    return cache
+
+
+@pytest.mark.slow
+@needs_lm_eval
+def test_builtin_task_runs_offline_from_a_copied_datasets_cache(trained, tmp_path, world1):
+    """lm-eval's own lambada_openai by name, its data from --datasets-cache (no hub, no offline variables
+    set by the caller): the cache's rows are the ones scored, acc and perplexity equal to the model's own
+    log-likelihoods of each passage's last word."""
+    from goat_dist.evaluation.checkpoint import load_model
+
+    cache = copied_datasets_cache(tmp_path / "copied")
+    out = tmp_path / "eval"
+    proc = run(
+        launch_command(1, ["-m", "goat_dist", "eval", "harness", "--checkpoint", str(trained),
+                           "--tasks", "lambada_openai", "--datasets-cache", str(cache), "--out", str(out)]),
+        HF_HOME=str(tmp_path / "empty-home"),
+    )  # fmt: skip
+    assert "offline mode is enabled" in proc.stderr  # datasets' own word: the hub was not asked
+    report = json.loads((out / "harness.json").read_text())
+    assert report["datasets_cache"] == str(cache)
+    assert report["n-samples"]["lambada_openai"] == {"original": 4, "effective": 4}
+    model, tok = load_model(trained).model, tokenizer_of(trained)
+    lls, greedy = [], []
+    for text in LAMBADA_ROWS:  # lm-eval's split: context, " " + last word, encoded whole then apart
+        context = " ".join(text.split(" ")[:-1])
+        ctx = tok.encode(context).ids
+        cont = tok.encode(context + " " + text.split(" ")[-1]).ids[len(ctx) :]
+        lp = log_probs(model, ctx + cont[:-1])[len(ctx) - 1 :]
+        lls.append(sum(float(lp[j, t]) for j, t in enumerate(cont)))
+        greedy.append(all(int(lp[j].argmax()) == t for j, t in enumerate(cont)))
+    result = report["results"]["lambada_openai"]
+    assert result["acc,none"] == pytest.approx(np.mean(greedy))
+    assert result["perplexity,none"] == pytest.approx(np.exp(-np.mean(lls)), rel=1e-4)
+
+
 def test_missing_lm_eval_is_a_clear_error(monkeypatch, capsys):
     """Without lm-eval the command stops before loading anything, saying what to install."""
     from goat_dist.evaluation import commands
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
-    args = SimpleNamespace(eval="harness", checkpoint="/nonexistent", tasks=["x"])
+    args = SimpleNamespace(eval="harness", checkpoint="/nonexistent", tasks=["x"], datasets_cache=None)
     assert commands.cmd_harness(args) == 2
     assert "lm-eval is not installed: pip install 'goat-dist[eval]'" in capsys.readouterr().err
