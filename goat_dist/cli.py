@@ -48,11 +48,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import exit_process
     from .trainer import run
     from .trainer.entry import USER_ERRORS, process_exit_code, report_user_error
+    from .trainer.signals import EXIT_ABORTED
 
     try:
         state = run(cfg)
     except USER_ERRORS as e:
         exit_process(report_user_error(e, cfg.run_dir))
+    except KeyboardInterrupt:  # a second Ctrl-C: abort at once, without a checkpoint
+        if os.environ.get("RANK", "0") == "0":
+            print("goat-dist train: aborted (a second Ctrl-C): no checkpoint of this step", file=sys.stderr)
+        exit_process(EXIT_ABORTED)
     # deterministic teardown; never returns. After a stop by a signal rank 0 exits EXIT_CHECKPOINTED (75)
     exit_process(process_exit_code(state))
 
@@ -87,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "RANK" in os.environ:  # a worker of torchrun, srun or --nproc: it ends with its launcher
+        from .lifeline import watch_launcher
+
+        watch_launcher()
     _quiet_third_party()
     args = build_parser().parse_args(argv)
     if args.command == "data":  # data preparation never loads torch or DeepSpeed

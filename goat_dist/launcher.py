@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from .distributed import free_port
@@ -27,6 +28,7 @@ LAUNCHER_VARS = frozenset(
         "TORCHELASTIC_RUN_ID",
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS",
+        "GOAT_LAUNCHER_PID",  # lifeline.LAUNCHER_PID_VAR: a child world has a launcher of its own
     }
 )
 
@@ -61,8 +63,30 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
     ]
 
 
-# the exit codes a worker uses on purpose (a usage error, a checkpointed stop): passed on as they are
-PASSED_ON = {2, 75}
+# the exit codes a worker uses on purpose (a usage error, a checkpointed stop, an abort by a second Ctrl-C):
+# passed on as they are
+PASSED_ON = {2, 75, 130}
+
+# what run_world passes on to its workers itself (torch's agent would turn them into SIGTERM, SIGKILL after
+# 30 s, and a traceback); SIGHUP and SIGQUIT stay with the agent
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """A stop request for the world: the same signal to every worker (Ctrl-C reaches only this process,
+    the agent starts each worker in a session of its own); the agent then sees them exit. Before any
+    worker exists there is nothing to stop: this process ends (KeyboardInterrupt)."""
+    import psutil
+
+    workers = psutil.Process().children()
+    if not workers:
+        raise KeyboardInterrupt
+    for worker in workers:
+        try:
+            worker.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run_world(nproc: int, args: list[str]) -> int:
@@ -70,8 +94,11 @@ def run_world(nproc: int, args: list[str]) -> int:
     and return an exit code the caller can act on.
 
     The command-line torchrun turns every worker failure into exit 1 plus a ChildFailedError traceback;
-    here a failure whose first worker exited 2 (an error of the user's, already printed once by rank 0)
-    or 75 (checkpointed) exits with that code and nothing more; any other failure is named in one line."""
+    here a failure whose first worker exited 2 (an error of the user's, already printed once by rank 0),
+    75 (checkpointed) or 130 (aborted) exits with that code and nothing more; any other failure is named
+    in one line. Ctrl-C (SIGINT), SIGTERM and SIGUSR1 go to every worker as they are: the workers save a
+    checkpoint at the next step boundary and stop, and this process exits 75 as rank 0 does; a second
+    Ctrl-C aborts them. The workers die with this process (``lifeline``: ``GOAT_LAUNCHER_PID``)."""
     if nproc == 1:
         import subprocess
 
@@ -80,14 +107,18 @@ def run_world(nproc: int, args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
+    from .lifeline import LAUNCHER_PID_VAR
+
     os.environ.update({k: v for k, v in child_env().items() if k not in os.environ})
     for var in LAUNCHER_VARS & set(os.environ):
         del os.environ[var]
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
     config, cmd, cmd_args = config_from_args(
         parse_args(
             [
                 f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}",
+                f"--signals-to-handle={AGENT_SIGNALS}",
                 "--no-python",
                 sys.executable,
                 *args,
@@ -96,6 +127,7 @@ def run_world(nproc: int, args: list[str]) -> int:
     )
     agent_log = logging.getLogger("torch.distributed.elastic")
     agent_log.setLevel(logging.CRITICAL)  # its lines restate a failure the worker already explained
+    previous = {sig: signal.signal(sig, _forward_to_workers) for sig in FORWARDED}
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
@@ -104,4 +136,10 @@ def run_world(nproc: int, args: list[str]) -> int:
             return failure.exitcode
         print(f"goat-dist: rank {rank} of {nproc} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("goat-dist: interrupted before the workers started", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

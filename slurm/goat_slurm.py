@@ -24,7 +24,8 @@ Subcommands (``python slurm/goat_slurm.py <cmd> ...``):
     After a training attempt: read the trainer's ``last_exit.json`` when this attempt wrote one, whatever
     the step's exit code (rank 0 writes it before any rank exits; ``srun --kill-on-bad-exit`` may still
     kill or signal the tasks left, and srun then returns 137 or 143), else fall back to the step's exit
-    code; name NCCL flight-recorder dumps this attempt left (``<run_dir>/nccl_trace_rank_<r>``: a CUDA
+    code; a record that still says ``running`` (the attempt's start record) is a killed attempt, failed;
+    name NCCL flight-recorder dumps this attempt left (``<run_dir>/nccl_trace_rank_<r>``: a CUDA
     collective timed out and NCCL's watchdog tore the process down, with no Python left to say so); count
     consecutive failures of this job in ``RUN_DIR/slurm/state.json``, append the attempt to
     ``RUN_DIR/slurm/attempts.jsonl`` and print one word: ``done`` (finished), ``requeue`` (checkpointed by
@@ -369,7 +370,8 @@ def nccl_timeout_reason(run_dir: Path, dumps: list[Path]) -> str:
 def read_outcome(run_dir: Path, exit_code: int, before: dict | None, mode: str) -> Outcome:
     """This attempt's outcome: the trainer's ``last_exit.json`` if it wrote one during this attempt,
     whatever the step's exit code, otherwise the step's exit code (srun keeps a task's 75; under torchrun
-    a worker's 75 becomes 1).
+    a worker's 75 becomes 1). A fresh record that still says ``running`` (written when the attempt
+    started) is a killed attempt: failed, whatever the exit code.
 
     A fresh record is trusted over the exit code because rank 0 writes it before any rank leaves the
     final barrier: a step that srun ended with 137 or 143 after that (``--kill-on-bad-exit`` and a task
@@ -381,6 +383,8 @@ def read_outcome(run_dir: Path, exit_code: int, before: dict | None, mode: str) 
     if now is not None and now != before:
         try:
             data = json.loads(now["text"])
+            if data.get("status") == "running":  # the attempt's start record, never replaced by its end
+                return Outcome("failed", killed_reason(data), None, exit_code, "last_exit.json")
             if data.get("status") in ("finished", "checkpointed", "failed"):
                 return Outcome(
                     data["status"],
@@ -399,6 +403,17 @@ def read_outcome(run_dir: Path, exit_code: int, before: dict | None, mode: str) 
         status = "failed"
     reason = None if status == "finished" else f"exit code {exit_code}, no fresh last_exit.json"
     return Outcome(status, reason, None, exit_code, "exit code")
+
+
+def killed_reason(record: dict) -> str:
+    """What an attempt whose ``last_exit.json`` still says ``running`` was: its rank 0 never wrote how it
+    ended, so something killed it (SIGKILL, the OOM killer, a node failure, NCCL's watchdog on CUDA)."""
+    started = record.get("started")
+    when = time.strftime("%F %T", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return (
+        f"killed: rank 0 (host {record.get('host')}, pid {record.get('pid')}, started {when}) ended without "
+        "recording how (SIGKILL, out of memory, a node failure?)"
+    )
 
 
 def decide(

@@ -23,7 +23,7 @@ from ..distributed import LayoutError
 from . import nonfinite
 from .deadline import DeadlineError
 from .run_lock import RunDirError, WorldLock
-from .signals import EXIT_CHECKPOINTED
+from .signals import EXIT_ABORTED, EXIT_CHECKPOINTED
 from .state import RunState
 from .trainer import Trainer
 
@@ -113,11 +113,13 @@ _STARTED = time.time()
 
 
 def exit_code_for(error: BaseException) -> int:
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_ABORTED
     return 2 if isinstance(error, USER_ERRORS) else 1
 
 
 def check_data_sources(cfg: Config) -> None:
-    """The configured local data sets, checked before any process group or model exists
+    """The configured local data sets, checked before any model exists (after the run dir's lock)
     (``batches.check_sources``: present, one tokenizer, a validation split when evaluating, every shard on
     disk at its recorded size), in words that name the setting and the fix."""
     check_sources(cfg)

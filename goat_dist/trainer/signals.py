@@ -4,7 +4,7 @@ SIGTERM and SIGUSR1 (what Slurm sends before a preemption or time limit) and a f
 flag; the flag travels in the step's one collective (``control.agree``), so at the next step boundary
 all ranks agree and save a checkpoint; ``last_exit.json`` then carries ``EXIT_CHECKPOINTED`` so that a
 job script can requeue, and rank 0 exits with it (the other ranks exit 0: ``entry.process_exit_code``).
-A second SIGINT aborts at once.
+A second SIGINT aborts at once (``EXIT_ABORTED``).
 
 Hangs: while installed, every thread's Python stack goes to stderr when one step runs longer than
 ``hang_after_s`` (a watchdog re-armed at every step start, ``faulthandler.dump_traceback_later``), and on
@@ -18,6 +18,7 @@ import faulthandler
 import signal
 
 EXIT_CHECKPOINTED = 75  # EX_TEMPFAIL: "try again", the run can continue from its latest checkpoint
+EXIT_ABORTED = 130  # 128 + SIGINT, as a shell reports it: a second Ctrl-C, no checkpoint of that step
 _NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
 
 

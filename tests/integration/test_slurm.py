@@ -280,10 +280,54 @@ def test_crash_is_restarted_a_bounded_number_of_times(cluster, jobdir, builtin_c
     tries = attempts(run_dir)
     assert [a["status"] for a in tries] == ["failed", "failed"]
     assert [a["action"] for a in tries] == ["requeue", "give-up"]
+    assert tries[0]["reason"].startswith("killed: rank 0")  # its last_exit.json still said "running"
     text = log_text(log)
     assert "training failed" in text and "restart 1 of at most 1" in text
     assert "giving up" in text and re.search(r"srun: error: .*task 0: Killed", text)
     assert not (run_dir / "checkpoints" / "latest").exists()
+    # the requeued attempt (a new process on the same host) took the dead one's run lock over
+    second = text.split("(restart 1)", 1)[1]
+    assert "took over the lock of a trainer that is gone" in second, second[-3000:]
+
+
+def srun_pids(run_dir: Path) -> list[int]:
+    """The ``srun`` processes of a job's training step (``srun ... goat_dist train run.dir=<run_dir>``)."""
+    want, found = f"run.dir={run_dir}", []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and Path(args[0]).name == "srun" and want in args:
+            found.append(int(entry.name))
+    return found
+
+
+def test_killed_srun_takes_its_tasks_along_without_a_checkpoint(cluster, jobdir, builtin_cache):
+    """SIGKILL of the training step's srun: Slurm leaves the step's tasks training until the job ends and
+    then sends them SIGTERM, at which the trainer saves. train.sbatch ends them at once with SIGKILL: no
+    checkpoint, and the attempt counts as killed (its last_exit.json still says "running")."""
+    from goat_dist.trainer.run_lock import pid_running
+
+    run_dir = jobdir / "srun-killed"
+    overrides = tiny(builtin_cache, "train.max_steps=100000", f"run.dir={run_dir}")
+    job, log = submit(
+        cluster, jobdir, ["--ntasks=1", "slurm/train.sbatch", "--max-restarts", "0", CONFIG, *overrides]
+    )
+    wait_for(lambda: logged_steps(run_dir) >= 2, 240, f"job {job} to train:\n{log_text(log)[-3000:]}")
+    tasks, sruns = trainer_pids(run_dir), srun_pids(run_dir)
+    assert tasks and sruns
+    _signal_all(sruns, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: not any(pid_running(p) for p in tasks), 60, "the tasks to end")
+    print(f"\ntasks gone {time.monotonic() - killed:.1f} s after their srun's SIGKILL")
+    done(cluster, job, log, state="FAILED")
+    (first,) = attempts(run_dir)
+    assert (first["status"], first["action"]) == ("failed", "give-up") and first["reason"].startswith(
+        "killed"
+    )
+    assert not list(run_dir.glob("checkpoints/step_*")), "a task saved after its srun was killed"
+    assert "outlived its srun" in log_text(log)
 
 
 def test_cancel_is_not_undone_by_requeue(cluster, jobdir, builtin_cache):

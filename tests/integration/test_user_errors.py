@@ -63,6 +63,46 @@ def test_checkpoint_error_resume_from_a_missing_path(tmp_path, builtin_cache):
     one_clean_message(proc, "no-such-ckpt", "train.resume")
 
 
+def test_run_dir_that_cannot_be_written_is_named_before_any_work(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = train(tmp_path, f"run.dir={tmp_path / 'file' / 'run'}")
+    one_clean_message(proc, f"run.dir={tmp_path / 'file' / 'run'} cannot be written", "fix:")
+    assert "layout:" not in proc.stdout  # no model, no data: nothing started
+
+
+@pytest.mark.slow
+def test_run_dir_refused_by_rank_0_stops_the_world_once(tmp_path):
+    """Rank 0 cannot take the run dir: every rank of ``--nproc 2`` stops in the run's first collective,
+    one message (rank 0's), exit 2."""
+    proc = train(tmp_path, "run.dir=/proc/goat-run", nproc=2)
+    message = one_clean_message(proc, "run.dir=/proc/goat-run cannot be written")
+    assert "[rank 1]" not in message
+
+
+CRASH = """
+import sys
+from goat_dist import distributed
+from goat_dist.config import load_config
+from goat_dist.trainer import entry
+
+class Crash:
+    def __init__(self, cfg):
+        distributed.init(1)  # a one-process world: torch.distributed exists when the error comes
+        raise RuntimeError("crash inside the trainer")
+
+entry.Trainer = Crash
+entry.run(load_config(None, ["run.dir=" + sys.argv[1]]))
+"""
+
+
+def test_a_one_process_crash_prints_a_plain_traceback(tmp_path):
+    """torch.distributed prefixes "[rank0]: " to every line of an uncaught traceback; alone, there is no
+    rank to tell apart."""
+    proc = run([sys.executable, "-c", CRASH, str(tmp_path / "run")], expect=1, timeout=120)
+    assert "Traceback" in proc.stderr and "RuntimeError: crash inside the trainer" in proc.stderr
+    assert "[rank0]" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_layout_error_dp2_batch_once_from_rank_0_and_launcher_exits_2(tmp_path, builtin_cache):
     """Two ranks under the torchrun world that ``--nproc`` starts: one message, exit 2, no

@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "goat_dist"
 
 FLOORS = [
-    {"atomic", "compat", "shapes", "precision", "collectives", "rampup"},  # standard library, torch at most
+    {"atomic", "compat", "shapes", "precision", "collectives", "rampup", "lifeline"},  # stdlib, torch at most
     {"config"},
     {"distributed", "kernels"},
     {"launcher", "goat", "engine", "data", "optim"},

@@ -84,13 +84,15 @@ def test_peak_table_by_device_name(name, dtype, expected):
 
 
 def test_override_wins_and_cpu_probe_runs_once(tmp_path, monkeypatch):
+    """One core's figure is measured once and cached; the peak is that times the thread count."""
     calls = []
-    monkeypatch.setattr(peak, "measure_matmul_flops", lambda dtype: calls.append(dtype) or 5e10)
+    monkeypatch.setattr(peak, "core_flops", lambda dtype: calls.append(dtype) or 5e10)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     cpu = torch.device("cpu")
     assert peak.peak_flops(cpu, "fp32", 12.5, tmp_path) == (12.5e12, "log.peak_tflops")
     first = peak.peak_flops(cpu, "fp32", 0.0, tmp_path)
     second = peak.peak_flops(cpu, "fp32", 0.0, tmp_path)
-    assert first[0] == second[0] == 5e10 and "measured" in first[1]
+    assert first[0] == second[0] == 3 * 5e10 and "measured" in first[1] and "3 threads" in first[1]
     assert calls == [torch.float32]  # measured once, then read from the cache file
     cached = json.loads((tmp_path / "peak_flops.json").read_text())
     assert list(cached.values()) == [5e10]
@@ -99,6 +101,26 @@ def test_override_wins_and_cpu_probe_runs_once(tmp_path, monkeypatch):
 def test_matmul_probe_measures_something_plausible():
     measured = peak.measure_matmul_flops(n=256, seconds=0.05)
     assert 1e8 < measured < 1e14
+
+
+def test_core_probe_runs_on_one_thread_and_leaves_the_runs_rng_alone():
+    """The probe's samples are single products on one thread (a busy machine cannot make it wait for a
+    descheduled sibling thread); it restores the thread count and draws nothing from torch's RNG."""
+    seen = []
+    real_mm = torch.mm
+
+    def mm(a, b):
+        seen.append((torch.get_num_threads(), a.shape[0]))
+        return real_mm(a, b)
+
+    before_threads, before_rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        torch.mm = mm
+        measured = peak.measure_matmul_flops(n=64, seconds=0.01, threads=1)
+    finally:
+        torch.mm = real_mm
+    assert measured > 0 and set(seen) == {(1, 64)}
+    assert torch.get_num_threads() == before_threads and torch.equal(torch.get_rng_state(), before_rng)
 
 
 def test_mfu_over_100_percent_is_capped_and_marked_unreliable():
@@ -119,7 +141,8 @@ def test_measured_peak_below_the_achieved_rate_is_probed_once_more(tmp_path, mon
 
     probes = iter([1e11, 2e11])
     calls = []
-    monkeypatch.setattr(peak, "measure_matmul_flops", lambda dtype: calls.append(dtype) or next(probes))
+    monkeypatch.setattr(peak, "core_flops", lambda dtype: calls.append(dtype) or next(probes))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     metrics = StepMetrics.__new__(StepMetrics)
     metrics.cfg = SimpleNamespace(
         train=SimpleNamespace(precision="fp32"), data=SimpleNamespace(cache_dir=tmp_path)

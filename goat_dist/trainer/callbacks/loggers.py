@@ -26,12 +26,15 @@ def _fmt_time(seconds: float) -> str:
 
 
 class ConsoleLogger(Callback):
-    """One line per log step: step, loss, lr, grad norm, throughput, elapsed / remaining time."""
+    """One line per log step: step, loss, lr, grad norm, throughput, elapsed / remaining time. The last
+    line says how the run ended; after a stop, which checkpoint holds it and how to continue."""
 
     order = LOGGER_ORDER
 
     def __init__(self, max_steps: int, stream=sys.stdout):
         self.max_steps, self.stream = max_steps, stream
+        self.checkpoint: tuple[int, str] | None = None  # (step, path) of the last one written
+        self.mfu_unknown = False  # said once; no MFU on the lines after
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -43,14 +46,22 @@ class ConsoleLogger(Callback):
     def on_log(self, state, metrics):
         done = max(state.step, 1)
         eta = state.elapsed_s / done * (self.max_steps - state.step)
+        if metrics.get("mfu_unreliable") and not self.mfu_unknown:
+            self.mfu_unknown = True
+            self._print(
+                "MFU unknown: training ran faster than the measured peak of this CPU (observe/peak.py), so "
+                "it is left out from here on; log.peak_tflops sets the peak"
+            )
+        mfu = "" if self.mfu_unknown else mfu_text(metrics)
         self._print(
             f"step {state.step:>6}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
             f"grad {metrics['grad_norm']:.3f} | {metrics['tokens_per_s'] / 1e3:.1f}k tok/s"
-            + mfu_text(metrics)
+            + mfu
             + f" | {_fmt_time(state.elapsed_s)} elapsed, {_fmt_time(eta)} left"
         )
 
     def on_checkpoint(self, state, info):
+        self.checkpoint = (state.step, info["path"])
         self._print(f"checkpoint step {state.step} -> {info['path']} ({info['save_s']:.1f} s)")
 
     def on_memory(self, state, per_rank):
@@ -67,9 +78,26 @@ class ConsoleLogger(Callback):
         self._print(line)
 
     def on_train_end(self, state):
+        if state.stop_requested:
+            self._print(self.stop_line(state))
+            return
         self._print(
             f"done: {state.step} steps, {state.consumed_tokens:,} tokens, {_fmt_time(state.elapsed_s)}"
         )
+
+    def stop_line(self, state) -> str:
+        """``stopped at step N (reason): checkpoint PATH; run the same command to continue``: a stop
+        always saves its step, and ``train.resume=auto`` (the default) continues from the latest."""
+        if self.checkpoint is None:
+            saved = "no checkpoint written"
+        elif self.checkpoint[0] == state.step:
+            saved = f"checkpoint {self.checkpoint[1]}"
+        else:
+            saved = f"latest checkpoint {self.checkpoint[1]} (step {self.checkpoint[0]})"
+        cfg = getattr(self.trainer, "cfg", None)
+        resume = "auto" if cfg is None else str(cfg.train.resume)
+        how = "run the same command" if resume == "auto" else "run the same command with train.resume=auto"
+        return f"stopped at step {state.step} ({state.stop_requested}): {saved}; {how} to continue"
 
 
 class JsonlLogger(Callback):
