@@ -230,6 +230,8 @@ def test_a_refused_rank0_writes_nothing_into_the_live_run_dir(tmp_path, monkeypa
     live, _ = take(cfg.run_dir)
     (cfg.run_dir / "last_exit.json").write_text('{"status": "running", "pid": 1}')
     monkeypatch.setattr(entry, "Trainer", lambda cfg: pytest.fail("built a trainer"))
+    # the failure path tears the process groups down: not the test session's own world
+    monkeypatch.setattr(entry.distributed, "teardown", lambda barrier=True: None)
     with pytest.raises(RunDirError) as refused:
         entry.run(cfg)
     assert entry.exit_code_for(refused.value) == 2
