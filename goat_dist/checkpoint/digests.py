@@ -9,9 +9,11 @@ Instead:
   the writes are (each rank ~1/world of the state). Rank 0 lists the directory and broadcasts the list;
   anything not yet hashed (the small run files) is shared out (``shares``: deterministic, balanced by
   bytes, largest files first); rank 0 receives every digest and writes the manifest.
-- Loading (``verify``): every rank checks every file's size; checksums are split into the same shares.
+- Loading: every rank checks what it reads and nothing else (``read_checked`` for the small files, block
+  checksums for the state: ``slices``), so a resume stats and hashes the rank's share, not the world's.
   A problem found on any rank is raised on every rank with the same message, naming the file and the step
-  (``raise_everywhere``), so all ranks stop together.
+  (``raise_everywhere``), so all ranks stop together. ``verify`` checks a whole checkpoint (``goat-dist
+  ckpt verify``, ``inspect``): every size, and the checksums in shares when given a process group.
 
 Without a process group (``goat-dist ckpt inspect``, export, tools) everything runs in the one process.
 """
@@ -29,7 +31,7 @@ from ..atomic import file_problem, sha256_file
 from .errors import CheckpointError
 from .names import MANIFEST
 
-__all__ = ["digest_files", "listing", "raise_everywhere", "shares", "verify"]
+__all__ = ["digest_files", "gather", "listing", "raise_everywhere", "read_checked", "shares", "verify"]
 
 
 def _world() -> tuple[int, int]:
@@ -64,7 +66,8 @@ def digest(path: Path) -> dict:
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
 
 
-def _gather(obj) -> list:
+def gather(obj) -> list:
+    """Every rank's ``obj`` (collective; ``[obj]`` in one process without a group)."""
     rank, world = _world()
     if world == 1:
         return [obj]
@@ -81,7 +84,7 @@ def _raise_first(errors: list[str]) -> None:
 def raise_everywhere(error: str) -> None:
     """Collective: if any rank found an ``error``, every rank raises the same CheckpointError (the lowest
     failing rank's message), so all stop together and none loads a partial checkpoint or hangs later."""
-    _raise_first(_gather(error or ""))
+    _raise_first(gather(error or ""))
 
 
 def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> dict[str, dict]:
@@ -91,7 +94,7 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
     Any rank's error, or a file that changed size after it was hashed, is raised on every rank."""
     step_dir = Path(step_dir)
     rank, world = _world()
-    gathered = _gather((known or {}, error or ""))
+    gathered = gather((known or {}, error or ""))
     _raise_first([e for _, e in gathered])  # a writer failed somewhere: the same message everywhere
     merged: dict[str, dict] = {}
     for part, _ in gathered:
@@ -122,7 +125,7 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
         except OSError as e:
             error = f"checkpoint {step_dir}: rank {rank} cannot read {name} to hash it: {e}"
             break
-    gathered = _gather((results, error))
+    gathered = gather((results, error))
     _raise_first([e for _, e in gathered])
     for part, _ in gathered:
         merged.update(part)
@@ -138,6 +141,38 @@ def read_manifest(step_dir: Path) -> dict:
         return json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
+
+
+def where(step_dir: Path, manifest: dict | None) -> str:
+    """How an error names a checkpoint (and its step, when the manifest is known)."""
+    step = f" (step {manifest.get('step')})" if manifest else ""
+    return f"checkpoint {step_dir}{step}: "
+
+
+def read_checked(step_dir: Path, name: str, manifest: dict | None = None) -> bytes:
+    """The bytes of ``name`` (relative to ``step_dir``), read once and checked against the manifest's size
+    and sha256 (without a manifest: as they are). A problem is a CheckpointError naming the file."""
+    step_dir = Path(step_dir)
+    at = where(step_dir, manifest)
+    expect = None
+    if manifest is not None:
+        expect = manifest["files"].get(name)
+        if expect is None:
+            raise CheckpointError(f"{at}{name} is not in its {MANIFEST}")
+    try:
+        data = (step_dir / name).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{at}{name} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{at}{name} cannot be read: {e.strerror or e}") from None
+    if expect is not None:
+        if len(data) != int(expect["bytes"]):
+            raise CheckpointError(
+                f"{at}{name} has {len(data)} bytes, expected {expect['bytes']} (truncated?)"
+            )
+        if hashlib.sha256(data).hexdigest() != expect["sha256"]:
+            raise CheckpointError(f"{at}{name} does not match its sha256")
+    return data
 
 
 def _problem(step_dir: Path, manifest: dict, checksums: set[str] | bool) -> str:
@@ -176,7 +211,7 @@ def verify(step_dir: Path, checksums: bool = True, parallel: bool = False) -> di
         error = _problem(step_dir, manifest, mine)
     except CheckpointError as e:
         error = str(e)
-    gathered = _gather((error, fingerprint))
+    gathered = gather((error, fingerprint))
     _raise_first([e for e, _ in gathered])
     if len({f for _, f in gathered}) > 1:
         raise CheckpointError(

@@ -1,4 +1,9 @@
-"""Checkpoint inspection and export of consolidated weights (safetensors + config.json)."""
+"""Checkpoint inspection and export of consolidated weights (safetensors + config.json).
+
+An export streams: the output file's header is computed from the checkpoint's shapes, then each tensor is
+read (its TP slices merged from the files that hold them, each file opened once), converted, written and
+dropped before the next; only the files read are checked (their block checksums against the manifest's
+record), so neither memory nor hashing scales with the checkpoint, only with its largest tensor."""
 
 from __future__ import annotations
 
@@ -6,18 +11,21 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from data_tools.shard_format import TOKENIZER_NAME
 
 from ..atomic import sha256_file
 from ..optim import is_prior
-from . import universal
+from . import tensor_file, universal
+from .digests import read_checked, read_manifest
 from .manager import MANIFEST, STATE, CheckpointError, verify
+from .slices import UniversalReader
 
 
 def resolve_step_dir(path: str | Path) -> Path:
@@ -170,6 +178,32 @@ def export_dtype(name: str, target: torch.dtype) -> torch.dtype:
 FORMATS = ("goat", "hf")
 
 
+@dataclass
+class Tensors:
+    """A checkpoint's whole (TP-merged) tensors, read one at a time: names, shapes and export dtypes
+    known up front, ``fetch(name)`` reads one. An export holds about one tensor on the host."""
+
+    shapes: dict[str, list[int]]
+    dtypes: dict[str, torch.dtype]
+    fetch: Callable[[str], torch.Tensor]
+
+    @classmethod
+    def of(cls, reader, target: torch.dtype) -> Tensors:
+        names = list(reader.meta["params"])
+        dtypes = {name: export_dtype(name, target) for name in names}
+        return cls(
+            {name: reader.local_shape(name) for name in names},
+            dtypes,
+            lambda name: reader.read_local(name).to(dtypes[name]),
+        )
+
+    def entries(self) -> list[tensor_file.Entry]:
+        return [
+            tensor_file.Entry(name, self.dtypes[name], shape, lambda n=name: self.fetch(n))
+            for name, shape in self.shapes.items()
+        ]
+
+
 def _umask() -> int:
     """The process umask; read from /proc where it can be, since setting it to read it races other threads."""
     try:
@@ -214,26 +248,27 @@ def export(
     out = Path(os.path.abspath(out))  # "." has no name to build a temp dir beside
     check_out(out, force)
     step_dir = resolve_step_dir(path)
-    verify(step_dir)
-    universal.require_state(step_dir, "export it")
-    config = yaml.safe_load((step_dir / "config.yaml").read_text())
-    state = json.loads((step_dir / STATE).read_text())
+    manifest = read_manifest(step_dir)  # the files read are checked as read: nothing else is hashed
+    universal.require_state(step_dir, "export it", manifest)
+    config = yaml.safe_load(read_checked(step_dir, "config.yaml", manifest))
+    state = json.loads(read_checked(step_dir, STATE, manifest))
     tokenizer = _tokenizer_of(config)
     if tokenizer is not None:
         _check_tokenizer(tokenizer, state)
-    full, _ = universal.read_full(step_dir, ("",))
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    tensors = {name: t[""].to(export_dtype(name, target)).contiguous() for name, t in full.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         metadata = {"step": str(state["step"]), "dtype": dtype}
-        if fmt == "hf":
-            from .hf_export import write_hf
+        with UniversalReader(step_dir, 1, 0, manifest) as reader:
+            source = Tensors.of(reader, target)
+            if fmt == "hf":
+                from .hf_export import write_hf
 
-            write_hf(tmp, config["model"], tensors, metadata, dtype, tokenizer)
-        else:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+                write_hf(tmp, config["model"], source, metadata, dtype, tokenizer)
+            else:
+                tensor_file.write(tmp / "model.safetensors", source.entries(), metadata)
+        if fmt != "hf":
             (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
             if tokenizer is not None:
                 shutil.copy(tokenizer, tmp / TOKENIZER_NAME)

@@ -20,7 +20,6 @@ import yaml
 
 from .digests import raise_everywhere
 from .errors import CheckpointError
-from .names import STATE
 
 
 def saved_train_len(step_dir: Path) -> int | None:
@@ -71,27 +70,26 @@ def init_weights(engine, model, step_dir: Path, optimizer: bool, contract: dict 
 
     A checkpoint of another model shape is refused naming the config keys that differ; with ``contract``
     (this run's data contract) one trained with another tokenizer is refused (``compat``)."""
-    import json
-
     from . import compat, universal
-    from .manager import verify
+    from .manager import read_run_files
 
     step_dir = Path(step_dir)
-    error = ""
-    try:
-        verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
-        universal.require_state(step_dir, "start train.init_from from it")
-    except CheckpointError as e:
-        error = str(e)
-    raise_everywhere(error)
-    state = json.loads((step_dir / STATE).read_text())
+    # the manifest and run state, checked as read; the state's files are checked by the ranks reading them
+    manifest, state, _ = read_run_files(step_dir, None, "start train.init_from from it")
     step = state["step"]
     current = getattr(model, "cfg", None)  # the model's ModelConfig
     compat.check_tokenizer(step_dir, state, contract, current, compat.INIT_FROM)
     keys = universal.KEYS if optimizer else ("",)
     try:
         universal.load(
-            engine, model, step_dir, step, keys=keys, adam_step=step if optimizer else 0, schedule=False
+            engine,
+            model,
+            step_dir,
+            step,
+            keys=keys,
+            adam_step=step if optimizer else 0,
+            schedule=False,
+            manifest=manifest,
         )
     except universal.ModelMismatch as e:
         raise CheckpointError(compat.model_change(step_dir, current, e.problems, compat.INIT_FROM)) from None

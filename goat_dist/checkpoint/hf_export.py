@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME
 
 from ..shapes import ffn_size, head_dims, padded_vocab_size
-from .manager import CheckpointError
+from . import tensor_file
+from .errors import CheckpointError
 
 REMOTE_DIR = Path(__file__).with_name("hf_remote")
 REMOTE_FILES = ("configuration_goat.py", "modeling_goat.py")
@@ -54,66 +56,105 @@ def check_llama(cfg) -> None:
         )
 
 
-def _split_qkv(w: torch.Tensor, kv_heads: int, group: int, content_dim: int, head_dim: int):
-    """goat-dist's fused projection, laid out per KV group as ``[q_1..q_group | k | v]`` (rows, or the
-    entries of a bias), as separate q, k and v."""
+def _qkv_part(w: torch.Tensor, part: int, kv_heads: int, group: int, content_dim: int, head_dim: int):
+    """q, k or v (``part`` 0, 1, 2) of goat-dist's fused projection, laid out per KV group as
+    ``[q_1..q_group | k | v]`` (rows, or the entries of a bias)."""
     per = w.reshape(kv_heads, (group + 1) * content_dim + head_dim, *w.shape[1:])
-    q, k, v = per.split([group * content_dim, content_dim, head_dim], dim=1)
-    return (t.reshape(-1, *w.shape[1:]).contiguous() for t in (q, k, v))
+    t = per.split([group * content_dim, content_dim, head_dim], dim=1)[part]
+    return t.reshape(-1, *w.shape[1:]).contiguous()
 
 
-def hf_tensors(cfg, tensors: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """goat-dist's TP=1 tensors under Llama-style names (the remote model uses the same ones, plus
-    ``self_attn.prior.*`` and ``embed_positions``). The vocabulary is cut to ``cfg.vocab_size``."""
+def hf_plan(cfg, names, prefix: str = "model.") -> list[tuple[str, str, Callable]]:
+    """``(Hugging Face name, goat-dist name, cut)`` for every tensor: goat-dist's TP=1 tensors under
+    Llama-style names (the remote model uses the same ones, plus ``self_attn.prior.*`` and
+    ``embed_positions``), each ``cut(goat tensor)``; the vocabulary is cut to ``cfg.vocab_size``. A tensor
+    the model should have and ``names`` lacks, or one with no Hugging Face name, is a CheckpointError."""
     heads, kv_heads, head_dim, content_dim = head_dims(cfg)
     ffn = ffn_size(cfg)
-    out: dict[str, torch.Tensor] = {}
-    left = dict(tensors)
+    plan: list[tuple[str, str, Callable]] = []
+    left = set(names)
 
-    def take(name: str) -> torch.Tensor:
-        try:
-            return left.pop(name)
-        except KeyError:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}") from None
+    def whole(t):
+        return t
 
-    out[f"{prefix}embed_tokens.weight"] = take("embedding.weight")[: cfg.vocab_size].contiguous()
+    def rows(n: int):
+        return lambda t: t[:n].contiguous()
+
+    def tail(n: int):
+        return lambda t: t[n:].contiguous()
+
+    def take(out: str, name: str, cut=whole) -> None:
+        if name not in names:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        left.discard(name)
+        plan.append((out, name, cut))
+
+    take(f"{prefix}embed_tokens.weight", "embedding.weight", rows(cfg.vocab_size))
     if cfg.position == "learned":
-        out[f"{prefix}embed_positions.weight"] = take("pos_embedding.weight")
+        take(f"{prefix}embed_positions.weight", "pos_embedding.weight")
     for i in range(cfg.num_layers):
         src, dst = f"blocks.{i}.", f"{prefix}layers.{i}."
         for kind in ("weight", "bias"):
             if f"{src}attn.qkv.{kind}" in left:
-                q, k, v = _split_qkv(
-                    take(f"{src}attn.qkv.{kind}"), kv_heads, heads // kv_heads, content_dim, head_dim
-                )
-                out[f"{dst}self_attn.q_proj.{kind}"] = q
-                out[f"{dst}self_attn.k_proj.{kind}"] = k
-                out[f"{dst}self_attn.v_proj.{kind}"] = v
+                for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                    cut = partial(
+                        _qkv_part,
+                        part=part,
+                        kv_heads=kv_heads,
+                        group=heads // kv_heads,
+                        content_dim=content_dim,
+                        head_dim=head_dim,
+                    )
+                    take(f"{dst}self_attn.{proj}.{kind}", f"{src}attn.qkv.{kind}", cut)
             if f"{src}attn.proj.{kind}" in left:
-                out[f"{dst}self_attn.o_proj.{kind}"] = take(f"{src}attn.proj.{kind}")
+                take(f"{dst}self_attn.o_proj.{kind}", f"{src}attn.proj.{kind}")
             if f"{src}mlp.fc1.{kind}" in left:
-                fc1 = take(f"{src}mlp.fc1.{kind}")
                 if cfg.activation == "swiglu":  # TP=1: gate rows, then up rows (``h.chunk(2)``)
-                    gate, up = fc1.split([ffn, ffn], dim=0)
-                    out[f"{dst}mlp.gate_proj.{kind}"] = gate.contiguous()
-                    out[f"{dst}mlp.up_proj.{kind}"] = up.contiguous()
+                    take(f"{dst}mlp.gate_proj.{kind}", f"{src}mlp.fc1.{kind}", rows(ffn))
+                    take(f"{dst}mlp.up_proj.{kind}", f"{src}mlp.fc1.{kind}", tail(ffn))
                 else:
-                    out[f"{dst}mlp.up_proj.{kind}"] = fc1
+                    take(f"{dst}mlp.up_proj.{kind}", f"{src}mlp.fc1.{kind}")
             if f"{src}mlp.fc2.{kind}" in left:
-                out[f"{dst}mlp.down_proj.{kind}"] = take(f"{src}mlp.fc2.{kind}")
+                take(f"{dst}mlp.down_proj.{kind}", f"{src}mlp.fc2.{kind}")
             for norm, name in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
                 if f"{src}{norm}.{kind}" in left:
-                    out[f"{dst}{name}.{kind}"] = take(f"{src}{norm}.{kind}")
-        for name in [n for n in left if n.startswith(f"{src}attn.prior.")]:
-            out[f"{dst}self_attn.prior.{name[len(src) + len('attn.prior.') :]}"] = take(name)
+                    take(f"{dst}{name}.{kind}", f"{src}{norm}.{kind}")
+        for name in sorted(n for n in left if n.startswith(f"{src}attn.prior.")):
+            take(f"{dst}self_attn.prior.{name[len(src) + len('attn.prior.') :]}", name)
     for kind in ("weight", "bias"):
         if f"final_norm.{kind}" in left:
-            out[f"{prefix}norm.{kind}"] = take(f"final_norm.{kind}")
+            take(f"{prefix}norm.{kind}", f"final_norm.{kind}")
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = take("output.weight")[: cfg.vocab_size].contiguous()
+        take("lm_head.weight", "output.weight", rows(cfg.vocab_size))
     if left:
         raise CheckpointError(f"tensors with no Hugging Face name: {sorted(left)[:5]}")
-    return out
+    return plan
+
+
+def hf_tensors(cfg, tensors: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """goat-dist's TP=1 tensors under their Hugging Face names, all at once (``hf_plan``)."""
+    return {out: cut(tensors[name]) for out, name, cut in hf_plan(cfg, set(tensors), prefix)}
+
+
+def hf_entries(cfg, source) -> list[tensor_file.Entry]:
+    """The Hugging Face tensors as entries a file is written from one at a time (``export.Tensors``):
+    each source tensor is read once, when its first part is written, and dropped before the next is read;
+    the shapes come from cutting a meta tensor of the source's shape."""
+    held: dict[str, torch.Tensor] = {}
+
+    def value(name: str) -> torch.Tensor:
+        if name not in held:
+            held.clear()
+            held[name] = source.fetch(name)
+        return held[name]
+
+    entries = []
+    for out, name, cut in hf_plan(cfg, set(source.shapes)):
+        shape = list(cut(torch.empty(source.shapes[name], device="meta")).shape)
+        entries.append(
+            tensor_file.Entry(out, source.dtypes[name], shape, lambda n=name, c=cut: c(value(n)).contiguous())
+        )
+    return entries
 
 
 def _llama_config(cfg, dtype: str, special: dict) -> dict:
@@ -219,15 +260,9 @@ def _special_tokens(tokenizer: Path | None) -> dict:
     return {"token": token, "id": tok.token_to_id(token)}
 
 
-def write_hf(
-    dest: Path,
-    model: dict,
-    tensors: dict[str, torch.Tensor],
-    metadata: dict,
-    dtype: str,
-    tokenizer: Path | None,
-) -> None:
-    """Write the Hugging Face directory into ``dest`` (an empty directory)."""
+def write_hf(dest: Path, model: dict, source, metadata: dict, dtype: str, tokenizer: Path | None) -> None:
+    """Write the Hugging Face directory into ``dest`` (an empty directory); ``source`` gives the
+    checkpoint's tensors one at a time (``export.Tensors``), so host memory holds about one tensor."""
     cfg = _settings(model)
     if cfg.position == "rope":
         check_llama(cfg)
@@ -235,7 +270,7 @@ def write_hf(
         raise CheckpointError(
             f"model.position={cfg.position}: no Hugging Face export for this position scheme"
         )
-    padded = tensors["embedding.weight"].shape[0]
+    padded = source.shapes["embedding.weight"][0]
     if padded < cfg.vocab_size or padded != padded_vocab_size(cfg.vocab_size, cfg.vocab_pad_multiple, 1):
         raise CheckpointError(
             f"embedding has {padded} rows, not model.vocab_size={cfg.vocab_size} padded to "
@@ -245,8 +280,7 @@ def write_hf(
     ids = {}
     if special:
         ids = {"bos_token_id": special["id"], "eos_token_id": special["id"]}
-    named = hf_tensors(cfg, tensors)
-    save_file(named, str(dest / "model.safetensors"), metadata={**metadata, "format": "pt"})
+    tensor_file.write(dest / "model.safetensors", hf_entries(cfg, source), {**metadata, "format": "pt"})
     config = _llama_config(cfg, dtype, ids) if cfg.position == "rope" else _remote_config(cfg, dtype, ids)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (dest / "generation_config.json").write_text(

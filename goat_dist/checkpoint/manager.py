@@ -3,7 +3,7 @@
 Layout of ``<run_dir>/checkpoints/``::
 
     step_00000020/           universal/rank<R>.safetensors (each rank its own share of the fp32 masters
-                             and Adam moments, no gather) + universal/meta.json (``universal.py``),
+                             and Adam moments, no gather) + universal/index.json (``universal.py``),
                              rng_rank<R>.pt (every rank), trainer_state.json, config.yaml,
                              manifest.json (sizes + sha256 of every file; written last)
     latest                   the tag of the newest complete checkpoint (temp + fsync + rename)
@@ -15,9 +15,10 @@ the manifest exists: a crash at any point before leaves the previous checkpoint 
 checkpoint to resume from is decided on rank 0 (resume.py); ``keep_last`` counts only the run's lineage.
 
 Each rank hashes the files it wrote as it writes them (so the hashing is balanced as the writes are), and
-rank 0 gathers the digests and hashes the few small files of its own (``digests.py``); a resume checks
-every size on every rank and the checksums in shares too. One copy of the state is written (12 bytes per
-parameter), each rank writing ~1/world of it; a resume on the same layout reads back exactly its own file.
+rank 0 gathers the digests and hashes the few small files of its own (``digests.py``). One copy of the
+state is written (12 bytes per parameter), each rank writing ~1/world of it. A resume reads and checks
+what each rank holds and nothing else (``read_run_files``, ``slices.py``): on the same layout, exactly
+its own file.
 
 ``save_async`` (``checkpoint.async=true``) stages the state in host memory and returns; a background
 thread per rank writes and hashes the files (``staging.py``), and ``poll`` (at step boundaries) or
@@ -33,6 +34,8 @@ once ``latest`` names the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import shutil
 import time
@@ -45,7 +48,16 @@ import torch.distributed as dist
 from .. import collectives
 from ..atomic import atomic_write_text
 from . import compat, lineage, rng, space, universal
-from .digests import digest, digest_files, listing, raise_everywhere, verify
+from .digests import (
+    digest,
+    digest_files,
+    gather,
+    listing,
+    raise_everywhere,
+    read_checked,
+    read_manifest,
+    verify,
+)
 from .errors import CheckpointError
 from .names import LATEST, MANIFEST, SAVE_COST, STALE, STATE, tag_for
 from .resume import agree_on_checkpoint
@@ -288,30 +300,64 @@ class CheckpointManager:
     def load(self, engine, step_dir: Path, layout: dict, contract: dict | None = None) -> dict:
         """Collective: restores model, optimizer, LR schedule and this rank's RNG; returns trainer state.
 
-        A checkpoint of another model is refused naming the config keys that differ; with ``contract``
-        (this run's data contract) one trained with another tokenizer is refused first (``compat``)."""
+        Every rank reads the manifest, the run state, its own RNG file and the universal state it holds,
+        each checked against the manifest as read (``read_checked``; the state's block checksums), and no
+        other file: a corrupt or missing one is named on every rank. A checkpoint of another model is
+        refused naming the config keys that differ; with ``contract`` (this run's data contract) one
+        trained with another tokenizer is refused first (``compat``)."""
         step_dir = Path(step_dir)
-        verify(step_dir, checksums=True, parallel=True)  # sizes everywhere, checksums in shares
-        state = json.loads((step_dir / STATE).read_text())
-        rng_file = step_dir / f"rng_rank{dist.get_rank()}.pt"
-        rng_state, error = None, ""
-        try:  # before anything is loaded: a refused file on any rank stops every rank
-            rng_state = safe_load(rng_file, state["step"]) if rng_file.is_file() else None
-        except CheckpointError as e:
-            error = str(e)
-        raise_everywhere(error)
-        universal.require_state(step_dir, "resume from it")
+        manifest, state, rng_state = read_run_files(step_dir, dist.get_rank(), layout=layout)
         current = getattr(engine.module, "cfg", None)  # the model's ModelConfig
         compat.check_tokenizer(step_dir, state, contract, current, compat.RESUME)
         try:
-            universal.load(engine, engine.module, step_dir, state["step"])
+            universal.load(engine, engine.module, step_dir, state["step"], manifest=manifest)
         except universal.ModelMismatch as e:
             raise CheckpointError(compat.model_change(step_dir, current, e.problems, compat.RESUME)) from None
-        saved = {k: state.get(k) for k in LAYOUT_KEYS}
-        same = saved == {k: layout.get(k) for k in LAYOUT_KEYS}
-        if not same and self.is_main:
-            changed = {k: f"{saved[k]} -> {layout.get(k)}" for k in LAYOUT_KEYS if saved[k] != layout.get(k)}
+        if not same_layout(state, layout) and self.is_main:
+            changed = {
+                k: f"{state.get(k)} -> {layout.get(k)}" for k in LAYOUT_KEYS if state.get(k) != layout.get(k)
+            }
             print(f"checkpoint {step_dir}: layout differs ({changed}); its state was re-split for it")
-        if same and rng_state is not None:
+        if rng_state is not None:
             rng.restore(rng_state)
         return state
+
+
+def same_layout(state: dict, layout: dict) -> bool:
+    """Whether a checkpoint's run state was saved on ``layout`` (every rank continues exactly: RNG too)."""
+    return all(state.get(k) == layout.get(k) for k in LAYOUT_KEYS)
+
+
+def read_run_files(
+    step_dir: Path, rank: int | None, purpose: str = "resume from it", layout: dict | None = None
+) -> tuple[dict, dict, object]:
+    """Collective: (manifest, trainer state, RNG state of ``rank`` or None) of ``step_dir``, each file read
+    once and checked against the manifest; a format-0 checkpoint is refused for ``purpose``. The RNG file
+    is read only on the ``layout`` that saved it (on another, every rank starts from the run's seed). A
+    problem on any rank (or ranks that read different manifests) is raised on every rank."""
+    manifest, state, rng_state, error, fingerprint = None, None, None, "", ""
+    try:
+        manifest = read_manifest(step_dir)
+        fingerprint = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        state = json.loads(read_checked(step_dir, STATE, manifest))
+        universal.require_state(step_dir, purpose, manifest)
+        name = f"rng_rank{rank}.pt"
+        same = layout is None or same_layout(state, layout)
+        if rank is not None and same and name in manifest["files"]:
+            data = io.BytesIO(read_checked(step_dir, name, manifest))
+            data.name = str(step_dir / name)
+            rng_state = safe_load(data, state["step"])
+    except CheckpointError as e:
+        error = str(e)
+    except ValueError as e:
+        error = f"checkpoint {step_dir}: {STATE} is not valid JSON: {e}"
+    found = gather((error, fingerprint))
+    for rank_, (problem, _) in enumerate(found):
+        if problem:
+            raise CheckpointError(problem + (f" (found on rank {rank_})" if len(found) > 1 else ""))
+    if len({f for _, f in found}) > 1:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
+            "system every node shares?)"
+        )
+    return manifest, state, rng_state

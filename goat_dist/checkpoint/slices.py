@@ -1,27 +1,50 @@
-"""Reading only the part of a universal checkpoint that one rank owns.
+"""Reading only the part of a universal checkpoint that one rank owns, and checking what is read.
 
 Why: a universal resume used to build the whole TP-merged fp32 model and both Adam moments on every rank
 (~12 bytes per parameter per rank) and then keep its slice. Here a rank asks for a flat range of its
-*local* tensor (its TP slice, in the new layout) and gets exactly that, read through safetensors'
-``get_slice`` from the per-TP-rank files of the saved layout: extra memory is the rank's share plus at most
-one row of padding on either side of each range.
+*local* tensor (its TP slice, in the new layout) and gets exactly that from the files of the saved layout.
 
-How a TP split maps (megatron's ``partition_dim`` d and ``partition_stride`` s): along d the full tensor
-is s blocks; block b is the concatenation over TP ranks of each rank's b-th chunk. A rank's local tensor
-along d is, for every block, its own chunk. So a local index along d names (block, offset in block), the
-offset names the saved rank and its local index: contiguous runs of those are read with one slice each.
+Which files: ``universal/index.json`` says, per parameter, how the saved ranks split its TP-local tensor
+into pieces: a rule for ZeRO-3 and the replicated layouts (``even``: replica i holds elements
+``[i * P, (i + 1) * P)``; ``share``: ``[n * i // R, n * (i + 1) // R)``), a list for ZeRO-1/2 (whose
+pieces follow the optimizer's flat groups; about one per parameter plus one per rank), and ``grid[t][i]``
+names the file of TP rank t's replica i. So a rank finds its pieces without reading every rank's: the
+index is O(parameters + ranks), where ``meta.json``'s full list (kept for earlier releases, which read
+it) is O(parameters x ranks): 213k pieces, 4.4 MB, ~100 MB parsed, at 30B on 512 ranks under ZeRO-3.
+
+How ranges map: on the TP size that saved it, a local flat range is the same flat range of the saved
+local tensor, read piece by piece with no padding; on the layout that saved it, that is exactly the rank's
+own file. Across TP sizes (megatron's ``partition_dim`` d and ``partition_stride`` s): along d the full
+tensor is s blocks; block b is the concatenation over TP ranks of each rank's b-th chunk. A rank's local
+tensor along d is, for every block, its own chunk. So a local index along d names (block, offset in
+block), the offset names the saved rank and its local index: contiguous runs of those are read as whole
+rows of the saved tensors.
+
+Checks: every file is opened once (``tensor_file.TensorFile``, kept for all its ranges until ``close``),
+its size and header against the manifest, and each range against the block checksums stored in the file;
+a file of an earlier release (no checksums) is hashed whole against the manifest when first opened. Files
+this rank does not read are neither opened nor stat'ed. Format 1 (``universal/tp<R>.safetensors``, one
+file per TP rank with whole TP-local tensors) and format 2 without an index (``meta.json`` only) are read
+the same way, as one piece per tensor or from the full list.
 """
 
 from __future__ import annotations
 
+import bisect
+import copy
 import json
 import math
+import resource
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from .digests import read_checked
 from .errors import CheckpointError
+from .tensor_file import CHECKSUMS, TensorFile
+
+INDEX = "index.json"
+META = "meta.json"
 
 
 def tensor_key(name: str, key: str) -> str:
@@ -32,72 +55,146 @@ def tensor_key(name: str, key: str) -> str:
 class UniversalReader:
     """The universal state of one checkpoint, as seen by TP rank ``tp_rank`` of a TP=``tp`` layout.
 
-    Two on-disk formats are read (``universal.py``): format 2, where every rank of the saved layout wrote
-    its own flat pieces of its TP-local tensors (``meta.json`` lists each piece: TP rank, start, length,
-    file), and format 1, one file per saved TP rank holding its whole TP-local tensors (a format-1 file
-    is read as one piece per tensor, so both go through the same re-splitting)."""
+    ``manifest`` (the checkpoint's, as read by the caller): the size, header and content of every file
+    read are checked against it, and the pieces are found through ``index.json``; without one (tools and
+    tests on a bare ``universal/`` directory) ``meta.json`` is read and only the files' own checksums are
+    checked. Close it (or use it as a context manager) to release its open files."""
 
-    def __init__(self, step_dir: Path, tp: int, tp_rank: int):
-        udir = Path(step_dir) / "universal"
+    def __init__(self, step_dir: Path, tp: int, tp_rank: int, manifest: dict | None = None):
         self.step_dir = Path(step_dir)
-        self.meta = json.loads((udir / "meta.json").read_text())
+        self.manifest = manifest
+        step = f" (step {manifest.get('step')})" if manifest else ""
+        self.where = f"checkpoint {self.step_dir}{step}: "
+        self.tp, self.tp_rank = tp, tp_rank
+        self._files: dict[str, TensorFile] = {}
+        self._lists: dict[str, list] = {}
+        indexed = manifest is not None and f"universal/{INDEX}" in manifest["files"]
+        self.index_name = f"universal/{INDEX if indexed else META}"
+        raw = read_checked(self.step_dir, self.index_name, manifest)
+        try:
+            self.meta = json.loads(raw)
+        except ValueError as e:
+            raise CheckpointError(f"{self.where}{self.index_name} is not valid JSON: {e}") from None
         self.format = int(self.meta.get("format", 1))
         self.saved_tp = int(self.meta["tp"])
-        self.tp, self.tp_rank = tp, tp_rank
         if self.format == 1:
-            self.paths = [str(udir / f"tp{r:02d}.safetensors") for r in range(self.saved_tp)]
-            with safe_open(self.paths[0], framework="pt") as f:
-                self.shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            self.paths = [f"universal/tp{r:02d}.safetensors" for r in range(self.saved_tp)]
+            own = self._file(self.paths[min(tp_rank, self.saved_tp - 1)])
+            self.shapes = {k: own.shape(k) for k in own.names() if k != CHECKSUMS}
         elif self.format == 2:
-            self.paths = [str(udir / name) for name in self.meta["files"]]
+            self.paths = [f"universal/{name}" for name in self.meta["files"]]
             self.shapes = {name: list(m["shape"]) for name, m in self.meta["params"].items()}
-            self.pieces = {
-                name: sorted((int(r), int(s), int(n), int(f)) for r, s, n, f in pieces)
-                for name, pieces in self.meta["pieces"].items()
-            }
+            self.grid = self.meta.get("grid")
         else:
             raise CheckpointError(
                 f"{self.step_dir}: universal/meta.json is format {self.format}; this goat-dist reads "
                 "formats 1 and 2 (a newer goat-dist wrote it: upgrade to resume from it)"
             )
 
-    def _open_slice(self, path: str, key: str, index) -> torch.Tensor:
-        """``file[key][index]``, opening the file for this read only: while a safetensors file is open,
-        the pages its memory map touched stay mapped and count in the process's RSS. One handle kept open
-        over a whole ZeRO-3 DP=4 load held 0.6 of the checkpoint per rank; per read, 0.05."""
-        with safe_open(path, framework="pt") as f:
-            return f.get_slice(key)[index]
+    # ---- files ----------------------------------------------------------------------------------------
+    def _file(self, name: str) -> TensorFile:
+        """The open file ``name`` (relative to the step directory), checked when first opened."""
+        f = self._files.get(name)
+        if f is None:
+            expect = None
+            if self.manifest is not None:
+                expect = self.manifest["files"].get(name)
+                if expect is None:
+                    raise CheckpointError(f"{self.where}{name} is not in its manifest")
+            _room_for(len(self._files) + 1)
+            f = self._files[name] = TensorFile(self.step_dir / name, name, self.where, expect)
+        return f
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def with_layout(self, tp: int, tp_rank: int) -> UniversalReader:
+        """The same checkpoint (and open files) seen by TP rank ``tp_rank`` of TP=``tp``."""
+        other = copy.copy(self)
+        other.tp, other.tp_rank = tp, tp_rank
+        return other
+
+    # ---- pieces ---------------------------------------------------------------------------------------
+    def _pieces(self, name: str, rank: int, lo: int, hi: int):
+        """(file, start, numel) of the pieces of saved TP rank ``rank``'s flat local tensor that overlap
+        ``[lo, hi)``, in order."""
+        if self.format == 1:
+            yield self.paths[rank], 0, math.prod(self.shapes[tensor_key(name, "")])
+            return
+        rule = self.meta["pieces"].get(name)
+        n = math.prod(self.shapes[name])
+        if isinstance(rule, dict) and self.grid is not None:
+            files = self.grid[rank]
+            count = len(files)
+            if "even" in rule:
+                size = int(rule["even"])
+                first, last = lo // size, min(count, -(-hi // size))
+                bounds = [(i, i * size, min(n, (i + 1) * size)) for i in range(first, last)]
+            else:
+                first = max(0, lo * count // n - 1) if n else 0
+                bounds = []
+                for i in range(first, count):
+                    a, z = n * i // count, n * (i + 1) // count
+                    if a >= hi:
+                        break
+                    if z > lo:
+                        bounds.append((i, a, z))
+            for i, a, z in bounds:
+                if z > a and files[i] is not None:
+                    yield self.paths[files[i]], a, z - a
+            return
+        pieces = self._lists.get(name)
+        if pieces is None:
+            listed = rule if isinstance(rule, list) else []
+            pieces = self._lists[name] = sorted((int(r), int(s), int(c), int(f)) for r, s, c, f in listed)
+        j = max(0, bisect.bisect_right(pieces, (rank, lo, math.inf, math.inf)) - 1)
+        for r, start, numel, f in pieces[j:]:
+            if r > rank or start >= hi:
+                break
+            if r == rank and start + numel > lo and numel > 0:
+                yield self.paths[f], start, numel
 
     def _saved_flat(self, rank: int, name: str, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of saved TP rank ``rank``'s flattened local tensor (format 2): the pieces
-        that overlap the range, each read with one slice of the file that holds it."""
-        out, cursor, gap_end = [], lo, hi
-        for r, start, numel, file in self.pieces.get(name, ()):
-            if r != rank or start + numel <= cursor or start >= hi:
+        """Elements ``[lo, hi)`` of saved TP rank ``rank``'s flattened local tensor, from the pieces that
+        hold them, each read (and checked) from its file."""
+        out, cursor, gap_end = None, lo, hi
+        k = tensor_key(name, key)
+        for path, start, numel in self._pieces(name, rank, lo, hi):
+            if start + numel <= cursor:
                 continue
             if start > cursor:
                 gap_end = start
                 break
             end = min(hi, start + numel)
-            key_name = tensor_key(name, key)
-            out.append(self._open_slice(self.paths[file], key_name, slice(cursor - start, end - start)))
+            data = self._file(path).read(k, cursor - start, end - start)
+            if end - cursor == hi - lo:
+                return data
+            if out is None:
+                out = torch.empty(hi - lo, dtype=data.dtype)
+            out[cursor - lo : end - lo] = data
+            del data
             cursor = end
             if cursor >= hi:
                 break
         if cursor < hi:
             raise CheckpointError(
-                f"{self.step_dir}: universal state lacks elements [{cursor}, {gap_end}) of "
-                f"{tensor_key(name, key)} on saved TP rank {rank} (meta.json lists no piece holding them)"
+                f"{self.step_dir}: universal state lacks elements [{cursor}, {gap_end}) of {k} on saved TP "
+                f"rank {rank} ({self.index_name} lists no piece holding them)"
             )
-        return torch.cat(out) if len(out) > 1 else out[0]
+        return out if out is not None else torch.empty(0)
 
     def _block(self, rank: int, name: str, key: str, index) -> torch.Tensor:
         """``saved local tensor of TP rank rank``[index]; ``index`` is ``...`` (a 0-d tensor) or a tuple whose
         first entry is a row slice (the rest slices the other dims)."""
-        k = tensor_key(name, key)
-        if self.format == 1:
-            return self._open_slice(self.paths[rank], k, index)
-        shape = self.shapes[name]
+        shape = self.saved_shape(name, key)
         if not shape:
             return self._saved_flat(rank, name, key, 0, 1).reshape(())
         rows = index[0]
@@ -107,9 +204,9 @@ class UniversalReader:
         return block[(slice(None), *index[1:])] if len(index) > 1 else block
 
     def saved_local(self, rank: int, name: str, key: str = "") -> torch.Tensor:
-        """Saved TP rank ``rank``'s whole local tensor (one-process tools: export, tests)."""
+        """Saved TP rank ``rank``'s whole local tensor (one-process tools and tests)."""
         shape = self.saved_shape(name, key)
-        return self._block(rank, name, key, ... if not shape else (slice(0, shape[0]),)).reshape(shape)
+        return self._saved_flat(rank, name, key, 0, math.prod(shape)).reshape(shape)
 
     # ---- shapes ---------------------------------------------------------------------------------------
     def split_of(self, name: str) -> dict:
@@ -120,6 +217,13 @@ class UniversalReader:
 
     def _is_split(self, name: str) -> bool:
         return bool(self.split_of(name)["tp_split"]) and not (self.saved_tp == 1 and self.tp == 1)
+
+    def _same_rank(self, name: str) -> int | None:
+        """The saved TP rank whose local tensor is this rank's, element for element (None: a TP change of
+        a split parameter, whose local tensor is cut from several)."""
+        if not self._is_split(name):
+            return self.tp_rank if self.saved_tp == self.tp else 0
+        return self.tp_rank if self.saved_tp == self.tp else None
 
     def saved_shape(self, name: str, key: str = "") -> list[int]:
         return list(self.shapes[tensor_key(name, key) if self.format == 1 else name])
@@ -157,17 +261,18 @@ class UniversalReader:
         return runs
 
     def read_rows(self, name: str, key: str, row0: int, row1: int) -> torch.Tensor:
-        """Rows ``[row0, row1)`` (dim 0) of this rank's local tensor; a 0-d tensor whole."""
+        """Rows ``[row0, row1)`` (dim 0) of this rank's local tensor; a 0-d tensor whole. Across TP sizes
+        each saved rank's part is read as whole rows and copied into place (no second copy of the rows)."""
         if len(self.saved_shape(name)) == 0:
             return self._block(0, name, key, ...)
-        if not self._is_split(name):
-            return self._block(
-                self.tp_rank if self.saved_tp == self.tp else 0, name, key, (slice(row0, row1),)
-            )
+        same = self._same_rank(name)
+        if same is not None:
+            return self._block(same, name, key, (slice(row0, row1),))
         d = self.split_of(name)["dim"]
-        local_len = self.local_shape(name)[d]
-        pieces, cursor = [], 0
-        for rank, a, z in self._runs(name, local_len):
+        shape = self.local_shape(name)
+        shape[0] = row1 - row0
+        out, cursor = None, 0
+        for rank, a, z in self._runs(name, self.local_shape(name)[d]):
             run_lo, run_hi = cursor, cursor + z - a  # where this run sits in the local tensor along d
             cursor = run_hi
             index = [slice(None)] * (d + 1)
@@ -176,19 +281,26 @@ class UniversalReader:
                 if lo >= hi:
                     continue
                 index[0] = slice(a + lo - run_lo, a + hi - run_lo)
+                at, size = lo - row0, hi - lo
             else:
                 index[0] = slice(row0, row1)
                 index[d] = slice(a, z)
-            pieces.append(self._block(rank, name, key, tuple(index)))
-        return torch.cat(pieces, dim=d)
+                at, size = run_lo, run_hi - run_lo
+            block = self._block(rank, name, key, tuple(index))
+            if out is None:
+                out = torch.empty(shape, dtype=block.dtype)
+            out.narrow(d, at, size).copy_(block)
+            del block
+        return out if out is not None else torch.empty(shape)
 
     def read_flat(self, name: str, key: str, start: int, numel: int) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of this rank's local tensor, flattened, as fp32."""
         shape = self.local_shape(name)
         if numel <= 0:
             return torch.empty(0)
-        if not shape:
-            return self.read_rows(name, key, 0, 1).reshape(-1).float()[start : start + numel]
+        same = self._same_rank(name)
+        if same is not None or not shape:  # the same flat layout: exactly the range, from its pieces
+            return self._saved_flat(same or 0, name, key, start, start + numel).float()
         row = math.prod(shape[1:])
         row0, row1 = start // row, -(-(start + numel) // row)
         rows = self.read_rows(name, key, row0, row1).reshape(-1)
@@ -201,3 +313,18 @@ class UniversalReader:
         if not shape:
             return self.read_rows(name, key, 0, 1).float()
         return self.read_rows(name, key, 0, shape[0]).reshape(shape).float()
+
+
+def _room_for(open_files: int) -> None:
+    """Raise the soft limit on open files when a reader is about to pass it (an export of a 512-rank
+    checkpoint holds 512 files open, each opened once); a hard limit below it is an error naming it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = open_files + 64  # what else the process has open
+    if soft != resource.RLIM_INFINITY and need > soft:
+        want = need * 2 if hard == resource.RLIM_INFINITY else min(hard, need * 2)
+        if want < need:
+            raise CheckpointError(
+                f"reading this checkpoint needs {open_files} files open at once, more than this process may "
+                f"open ({hard}: ulimit -n)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

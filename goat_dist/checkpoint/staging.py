@@ -10,7 +10,7 @@ function), so publishing need not hash it again (``digests.digest_files``). Trai
   with no collective but the small gather of the piece lists. The thread writes them as one
   safetensors file, hashing as it writes (``tensor_file``).
 - The RNG states are captured (already copies) and written by the thread; ``trainer_state.json``,
-  ``config.yaml`` and ``universal/meta.json`` are small and written at once.
+  ``config.yaml`` and ``universal/index.json`` (and ``meta.json``) are small and written at once.
 
 A checkpoint counts only when the manager publishes it (manifest, then ``latest``), which it does only
 after every rank's writer finished (``CheckpointManager.poll`` / ``wait``); a crash while writes are in

@@ -1,12 +1,25 @@
-"""Writing a safetensors file one tensor at a time, hashing it as it goes.
+"""Writing a safetensors file one tensor at a time, hashing it as it goes; reading ranges of one back.
 
 Why: ``safetensors.torch.save_file`` serialises every tensor into one in-memory buffer first, so a save
 needs a second host copy of everything the file holds (and, on a GPU, a host copy of everything before
 that). Here the header is computed from shapes and dtypes alone, then each tensor is brought to the host
 (``fetch``), written and dropped before the next: a synchronous save holds one tensor on the host, not the
 rank's share twice. The sha256 is computed over the bytes as they are written, so publishing a checkpoint
-does not read its files back to hash them. Files are read with the ``safetensors`` library, which checks
-the header and every offset.
+does not read its files back to hash them.
+
+Checksums (``write(..., checksums=True)``, the universal state's files): every tensor is cut into at most
+``BLOCKS_MAX`` blocks of at least ``BLOCK_MIN`` elements and each block's CRC-32 is stored in the file, as
+its last tensor (``__crc32__``). A reader that needs a part of a file (another layout's range of it) reads
+the blocks around that part and checks them, without reading the rest of the file: the whole-file sha256
+of the manifest could only be checked by reading all of it. CRC-32 finds the damage storage does (torn or
+truncated writes, flipped bits) as a hash would; it is not a defence against someone rewriting the file
+(neither is the sha256: the manifest is not signed).
+
+``TensorFile`` reads a safetensors file with ``pread``: opened once for any number of ranges, nothing is
+memory-mapped (the pages a mapped read touches stay in the process's RSS while the file is open), and each
+range costs its bytes (plus, with checksums, the blocks around it). Its header is checked as the
+``safetensors`` library checks one (known dtypes, offsets inside the file and matching the shapes); every
+problem is a ``CheckpointError`` naming the file.
 """
 
 from __future__ import annotations
@@ -16,13 +29,38 @@ import json
 import math
 import os
 import struct
+import sys
+import zlib
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+from .errors import CheckpointError
+
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+_READ_DTYPES = {
+    **{v: k for k, v in _DTYPES.items()},
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "BOOL": torch.bool,
+}
+CHECKSUMS = "__crc32__"  # the name of the checksum tensor
+BLOCK_MIN = 256  # elements: a block is at least this long ...
+BLOCKS_MAX = 64  # ... and a tensor has at most this many (a partial read overreads < 2 / 64 of a tensor)
+_RULE_KEY = "crc32_blocks"  # metadata: "BLOCK_MIN:BLOCKS_MAX" as written
+_MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
 @dataclass
@@ -37,6 +75,31 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class Checksums(Entry):
+    """The last tensor of a checksummed file: the CRC-32 of every block of the tensors before it."""
+
+    block_min: int = BLOCK_MIN
+    blocks_max: int = BLOCKS_MAX
+    sums: list = field(default_factory=list)
+
+
+def block_size(numel: int, block_min: int = BLOCK_MIN, blocks_max: int = BLOCKS_MAX) -> int:
+    """Elements per checksum block of a tensor of ``numel`` elements."""
+    return max(block_min, -(-numel // blocks_max))
+
+
+def _blocks(numel: int, block_min: int, blocks_max: int) -> int:
+    return -(-numel // block_size(numel, block_min, blocks_max)) if numel else 0
+
+
+def with_checksums(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[list[Entry], dict]:
+    """``entries`` plus the checksum tensor, and ``metadata`` plus the block rule a reader needs."""
+    count = sum(_blocks(math.prod(e.shape), BLOCK_MIN, BLOCKS_MAX) for e in entries)
+    table = Checksums(CHECKSUMS, torch.uint8, [count, 4], fetch=lambda: torch.empty(0))
+    return [*entries, table], {**(metadata or {}), _RULE_KEY: f"{BLOCK_MIN}:{BLOCKS_MAX}"}
 
 
 def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
@@ -57,25 +120,38 @@ def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> byte
     return struct.pack("<Q", len(text)) + text
 
 
-def write(path: Path, entries: list[Entry], metadata: dict[str, str] | None = None) -> dict:
-    """Write ``entries`` to ``path`` (fsynced); returns ``{"bytes", "sha256"}`` of what was written.
-    An OSError (a full disk) carries ``needed_bytes``, the file's size, for the message (``space``)."""
+def write(
+    path: Path, entries: list[Entry], metadata: dict[str, str] | None = None, checksums: bool = False
+) -> dict:
+    """Write ``entries`` to ``path`` (fsynced); returns ``{"bytes", "sha256", "header_sha256"}`` of what
+    was written. ``checksums``: with the block CRC-32s (module docstring). An OSError (a full disk)
+    carries ``needed_bytes``, the file's size, for the message (``space``)."""
+    if checksums:
+        entries, metadata = with_checksums(entries, metadata)
     head = header(entries, metadata)
     try:
-        return _write(path, head, entries)
+        written = _write(path, head, entries)
     except OSError as e:
         e.needed_bytes = len(head) + sum(entry.nbytes for entry in entries)
         raise
+    return {**written, "header_sha256": hashlib.sha256(head).hexdigest()}
 
 
 def _write(path: Path, head: bytes, entries: list[Entry]) -> dict:
     digest = hashlib.sha256()
     size = 0
+    table = next((e for e in entries if isinstance(e, Checksums)), None)
     with open(path, "wb") as f:
         f.write(head)
         digest.update(head)
         size += len(head)
         for e in entries:
+            if e is table:
+                data = np.asarray(table.sums, dtype="<u4").view(np.uint8)
+                f.write(data)
+                digest.update(data)
+                size += data.nbytes
+                continue
             value = e.fetch()
             if value.dtype != e.dtype or list(value.shape) != list(e.shape):
                 raise ValueError(
@@ -85,7 +161,221 @@ def _write(path: Path, head: bytes, entries: list[Entry]) -> dict:
             f.write(data)
             digest.update(data)
             size += len(data)
+            if table is not None:
+                step = block_size(value.numel(), table.block_min, table.blocks_max) * value.element_size()
+                table.sums.extend(zlib.crc32(data[i : i + step]) for i in range(0, len(data), step))
             del value, data
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+_CODES = tuple(_READ_DTYPES.values())
+
+
+class TensorFile:
+    """One safetensors file, opened once for ranged reads (module docstring). ``label`` names it in errors,
+    after ``where`` (the checkpoint and step); ``expect``: the manifest's record of it (``bytes``;
+    ``header_sha256`` for a checksummed file; a file without checksums is checked against ``sha256`` whole,
+    once, when opened: a file of an earlier release).
+
+    Its table of tensors is kept in arrays (~70 bytes a tensor, names shared between files): an export of a
+    512-rank checkpoint holds 512 files open, each with a few thousand tensors."""
+
+    def __init__(
+        self, path: Path | str, label: str | None = None, where: str = "", expect: dict | None = None
+    ):
+        self.path = Path(path)
+        self.label = label or self.path.name
+        self.where = where
+        self.fd = None
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self.error("is missing") from None
+        except OSError as e:
+            raise self.error(f"cannot be opened: {e.strerror or e}") from None
+        try:
+            self._parse(expect or {})
+            if expect and self.checksums is None and expect.get("sha256"):
+                self._check_whole(expect["sha256"])
+        except BaseException:
+            self.close()
+            raise
+
+    def error(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.where}{self.label} {what}")
+
+    def close(self, _close=os.close) -> None:
+        if self.fd is not None:
+            _close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            self.close()
+
+    # ---- header ---------------------------------------------------------------------------------------
+    def _parse(self, expect: dict) -> None:
+        self.size = os.fstat(self.fd).st_size
+        if "bytes" in expect and self.size != int(expect["bytes"]):
+            raise self.error(f"has {self.size} bytes, expected {expect['bytes']} (truncated?)")
+        if self.size < 8:
+            raise self.error(f"is not a safetensors file: {self.size} bytes (truncated?)")
+        (length,) = struct.unpack("<Q", self._pread(0, 8))
+        if length > _MAX_HEADER or 8 + length > self.size:
+            raise self.error(
+                f"is not a safetensors file: a header of {length} bytes in {self.size} (truncated?)"
+            )
+        raw = self._pread(8, length)
+        written = expect.get("header_sha256")
+        if written and hashlib.sha256(struct.pack("<Q", length) + raw).hexdigest() != written:
+            raise self.error("does not match its sha256 (its header differs from what was written)")
+        try:
+            table = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self.error(f"has a corrupt header (not JSON: {e})") from None
+        if not isinstance(table, dict):
+            raise self.error("has a corrupt header (not a JSON object)")
+        self.metadata = table.pop("__metadata__", None) or {}
+        data_start, data_bytes = 8 + length, self.size - 8 - length
+        self._slot: dict[str, int] = {}
+        self._begin, self._numel, self._first = array("q"), array("q"), array("q")
+        self._dtype = bytearray()
+        self._shapes: dict[str, tuple[int, ...]] = {}  # of the tensors that are not 1-D
+        spans = []
+        for name, info in table.items():
+            try:
+                code = _CODES.index(_READ_DTYPES[info["dtype"]])
+                shape = tuple(int(d) for d in info["shape"])
+                lo, hi = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self.error(f"has a corrupt header (tensor {name!r}: {info!r})") from None
+            numel = math.prod(shape)
+            if min(shape, default=0) < 0 or hi - lo != numel * _CODES[code].itemsize or lo < 0:
+                raise self.error(
+                    f"has a corrupt header (tensor {name!r}: shape {list(shape)}, bytes {lo}-{hi})"
+                )
+            if hi > data_bytes:
+                raise self.error(f"is shorter than its header says ({self.size} bytes; truncated?)")
+            name = sys.intern(name)  # the same names in every file of a checkpoint: one string each
+            self._slot[name] = len(self._begin)
+            self._begin.append(data_start + lo)
+            self._numel.append(numel)
+            self._first.append(0)
+            self._dtype.append(code)
+            if len(shape) != 1:
+                self._shapes[name] = shape
+            spans.append((lo, hi))
+        end = 0
+        for lo, hi in sorted(spans):
+            if lo != end:
+                break
+            end = hi
+        if end != data_bytes:
+            raise self.error("has a corrupt header (its tensors do not cover its data exactly; truncated?)")
+        self.checksums = self._checksum_rule()
+
+    def _checksum_rule(self) -> tuple[int, int] | None:
+        rule = self.metadata.get(_RULE_KEY)
+        if rule is None or CHECKSUMS not in self._slot:
+            return None
+        try:
+            block_min, blocks_max = (int(x) for x in rule.split(":"))
+        except ValueError:
+            raise self.error(f"has a corrupt header (checksum rule {rule!r})") from None
+        table = self._slot[CHECKSUMS]
+        first = 0
+        for i in sorted(range(len(self._begin)), key=self._begin.__getitem__):
+            if i != table:
+                self._first[i] = first
+                first += _blocks(self._numel[i], block_min, blocks_max)
+        if self._shapes.get(CHECKSUMS) != (first, 4):
+            raise self.error(f"has a corrupt header (checksum table {self.shape(CHECKSUMS)}, {first} blocks)")
+        return block_min, blocks_max
+
+    def _check_whole(self, sha256: str) -> None:
+        digest, offset, buf = hashlib.sha256(), 0, torch.empty(4 << 20, dtype=torch.uint8)
+        while offset < self.size:
+            n = min(buf.numel(), self.size - offset)
+            self._pread(offset, n, into=buf[:n])
+            digest.update(memoryview(buf.numpy())[:n])
+            offset += n
+        if digest.hexdigest() != sha256:
+            raise self.error("does not match its sha256")
+
+    # ---- the tensors ----------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._slot)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slot
+
+    def _index(self, name: str) -> int:
+        try:
+            return self._slot[name]
+        except KeyError:
+            raise self.error(f"has no tensor {name!r}") from None
+
+    def shape(self, name: str) -> list[int]:
+        i = self._index(name)
+        return list(self._shapes.get(name, (self._numel[i],)))
+
+    def numel(self, name: str) -> int:
+        return self._numel[self._index(name)]
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def _pread(self, offset: int, nbytes: int, into: torch.Tensor | None = None):
+        """``nbytes`` at ``offset``, read into the uint8 tensor ``into`` (or returned as bytes)."""
+        out = torch.empty(nbytes, dtype=torch.uint8) if into is None else into
+        view, done = memoryview(out.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                raise self.error(f"ends before byte {offset + nbytes} (truncated?)")
+            done += got
+        return out if into is not None else bytes(view)
+
+    def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name``, flattened (its own dtype); with checksums, the blocks
+        around them are read and checked."""
+        i = self._index(name)
+        numel, dtype = self._numel[i], _CODES[self._dtype[i]]
+        hi = numel if hi is None else hi
+        if not 0 <= lo <= hi <= numel:
+            raise self.error(f"has no elements [{lo}, {hi}) of {name!r} (it has {numel})")
+        size = dtype.itemsize
+        a, z, block = lo, hi, 0
+        if self.checksums is not None and hi > lo:
+            block = block_size(numel, *self.checksums)
+            a, z = lo // block * block, min(numel, -(-hi // block) * block)
+        buf = torch.empty((z - a) * size, dtype=torch.uint8)
+        if z > a:
+            self._pread(self._begin[i] + a * size, (z - a) * size, into=buf)
+        if block:
+            self._check_blocks(name, self._first[i] + a // block, a // block, buf, block * size, size)
+        return buf.view(dtype)[lo - a : hi - a]
+
+    def _check_blocks(self, name: str, row: int, first: int, buf: torch.Tensor, step: int, size: int) -> None:
+        """``buf`` (blocks ``first``.. of ``name``, ``row``.. of the table) against the stored CRC-32s."""
+        count = -(-buf.numel() // step)
+        raw = self._pread(self._begin[self._slot[CHECKSUMS]] + 4 * row, 4 * count)
+        expected = np.frombuffer(raw, dtype="<u4")
+        data = memoryview(buf.numpy())
+        for k in range(count):
+            if zlib.crc32(data[k * step : (k + 1) * step]) != int(expected[k]):
+                raise self.error(
+                    f"does not match its checksums: block {first + k} of {name!r} (elements from "
+                    f"{(first + k) * step // size}) is corrupt"
+                )
+
+    def read_whole(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` with its shape."""
+        return self.read(name).reshape(self.shape(name))

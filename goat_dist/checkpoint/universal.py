@@ -9,12 +9,16 @@ the whole TP slice, so each writes an even 1/(dp x cp) of every parameter's flat
 parameters that TP does not split (norms, the GOAT prior) are written by every TP rank (each its own, so
 a same-layout resume restores every rank's exact values; they are a small part of the state).
 
-``universal/meta.json`` (rank 0, after gathering the small piece lists) records how each parameter is
-split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and its TP-local shape, which
-file holds which flat range of which (parameter, TP rank), and the optimizer counters a bitwise resume
-needs: Adam's step, the LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves
-the trainer's step but none of these). The RNG states are ``rng_rank<R>.pt`` beside (``manager.py``).
-No loss-scaler state exists: the precisions are fp32 and bf16, neither scales the loss.
+``universal/index.json`` (rank 0, after gathering the small piece lists) records how each parameter is
+split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and its TP-local shape, how
+the saved ranks cut each (parameter, TP rank) into pieces (a rule, or for ZeRO-1/2 a short list) and which
+file holds each piece (``slices.py``), and the optimizer counters a bitwise resume needs: Adam's step, the
+LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves the trainer's step but
+none of these). ``universal/meta.json`` holds the same with every piece listed, as the previous release
+reads it (O(parameters x ranks): no reader of this release parses it). Each file carries block checksums
+(``tensor_file``), so a rank can check the part of a file it reads; the manifest records each file's
+header digest. The RNG states are ``rng_rank<R>.pt`` beside (``manager.py``). No loss-scaler state
+exists: the precisions are fp32 and bf16, neither scales the loss.
 
 Why not ``torch.distributed.checkpoint`` (DCP): DCP describes a shard as a rectangle of a global tensor
 (offsets and sizes per dimension), while a DeepSpeed ZeRO partition is a flat range of a TP-local tensor:
@@ -25,14 +29,15 @@ with ``pickle.load``: loading a checkpoint would execute whatever it holds. Safe
 index keep loading free of code execution and map each flat range to one slice read.
 
 Loading (``slices.py``) is sliced: each rank reads only the flat ranges of its own (new-layout) tensors
-that its optimizer partition holds; on the layout that saved it, that is exactly its own file. Format 1
-(``universal/tp<R>.safetensors``, one file per TP rank with whole TP-local tensors, beside DeepSpeed's own
-shards) is read the same way, as one piece per tensor.
+that its optimizer partition holds, each file it needs opened once; on the layout that saved it, that is
+exactly its own file. Format 1 (``universal/tp<R>.safetensors``, one file per TP rank with whole TP-local
+tensors, beside DeepSpeed's own shards) and format 2 without ``index.json`` are read the same way.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -46,8 +51,9 @@ from ..engine.masters import layout_of as engine_layout_of
 from ..engine.steps import set_step_counters, step_counters
 from ..engine.zero3 import full_shape
 from . import tensor_file
+from .digests import gather, raise_everywhere
 from .errors import CheckpointError
-from .slices import UniversalReader, tensor_key
+from .slices import INDEX, META, UniversalReader, tensor_key
 
 __all__ = [
     "FORMAT",
@@ -57,10 +63,13 @@ __all__ = [
     "merge",
     "mismatches",
     "read_full",
+    "read_into",
     "require_state",
     "save",
     "split",
     "split_meta",
+    "write_index",
+    "write_share",
 ]
 
 FORMAT = 2
@@ -71,10 +80,15 @@ def layout_of(engine):
     return engine_layout_of(engine, CheckpointError)
 
 
-def require_state(step_dir: Path, purpose: str) -> None:
+def require_state(step_dir: Path, purpose: str, manifest: dict | None = None) -> None:
     """A CheckpointError unless ``step_dir`` has a universal state: a checkpoint without one is format 0
-    (DeepSpeed's own shards only, saved with ``checkpoint.universal=false`` by an earlier release)."""
-    if not (Path(step_dir) / "universal" / "meta.json").is_file():
+    (DeepSpeed's own shards only, saved with ``checkpoint.universal=false`` by an earlier release). With
+    its ``manifest``, asked of the manifest (no file is stat'ed)."""
+    if manifest is not None:
+        has = any(f"universal/{name}" in manifest["files"] for name in (META, INDEX))
+    else:
+        has = (Path(step_dir) / "universal" / META).is_file()
+    if not has:
         raise CheckpointError(
             f"checkpoint {step_dir} has no universal/ state: it is a format-0 checkpoint (DeepSpeed's own "
             "shards only, saved with checkpoint.universal=false by an earlier goat-dist). This release reads "
@@ -139,32 +153,91 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float()
 
 
-def _record(engine, masters, step: int, params: dict, gathered: list) -> dict:
-    files, table = [], {name: [] for name in params}
-    for i, part in enumerate(gathered):
-        files.append(part["file"])
-        for name, start, numel in part["pieces"]:
-            table[name].append([part["tp"], start, numel, i])
+def counters(engine, masters, step: int) -> dict:
+    """What a bitwise resume restores besides the tensors: the steps of Adam, the LR schedule, DeepSpeed."""
     scheduler = engine.lr_scheduler
     return {
-        "format": FORMAT,
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "step": step,
         "optimizer": masters.name,
         "adam_step": masters.adam_step(),
         "lr_step": None if scheduler is None else int(scheduler.last_epoch),
         "engine": step_counters(engine),
-        "params": params,
-        "files": files,
-        "pieces": table,
     }
+
+
+def _fit(pieces: dict[int, dict[int, tuple[int, int]]], numel: int, tp: int, replicas: int) -> dict | None:
+    """The rule that gives exactly ``pieces`` ({TP rank: {replica: (start, numel)}}, empty ones left out)
+    on every TP rank: ``even`` (ZeRO-3: equal partitions, the last short or empty) or ``share`` (the
+    replicated layouts' ``_share``); None when neither does (ZeRO-1/2: the pieces are listed)."""
+    candidates = []
+    first = pieces.get(0, {}).get(0)
+    if first is not None and first[0] == 0:
+        size = first[1]
+        even = {
+            i: (i * size, min(numel, (i + 1) * size) - i * size) for i in range(replicas) if i * size < numel
+        }
+        candidates.append(({"even": size}, even))
+    candidates.append(({"share": replicas}, {i: _share(0, numel, i, replicas) for i in range(replicas)}))
+    for rule, want in candidates:
+        want = {i: v for i, v in want.items() if v[1] > 0}
+        if all(pieces.get(t, {}) == want for t in range(tp)):
+            return rule
+    return None
+
+
+def index_record(params: dict, gathered: list, tp: int, saved: dict) -> tuple[dict, dict]:
+    """(``index.json``, ``meta.json``) from every rank's piece list (``gathered[rank]``: its file, TP rank,
+    replica index and pieces) and the counters: the index with a rule per parameter where one fits and a
+    ``grid`` of files by (TP rank, replica), meta.json with every piece listed (``slices.py``)."""
+    files, table = [], {name: [] for name in params}
+    for i, part in enumerate(gathered):
+        files.append(part["file"])
+        for name, start, numel in part["pieces"]:
+            table[name].append([part["tp"], start, numel, i])
+    replicas = 1 + max(int(part.get("replica", 0)) for part in gathered)
+    grid: list | None = [[None] * replicas for _ in range(tp)]
+    for i, part in enumerate(gathered):
+        t, r = int(part["tp"]), int(part.get("replica", 0))
+        if grid is None or grid[t][r] is not None:
+            grid = None  # two ranks claim one place: list every piece
+        else:
+            grid[t][r] = i
+    if grid is not None and any(f is None for row in grid for f in row):
+        grid = None
+    compact = {}
+    for name, m in params.items():
+        rule = None
+        if grid is not None:
+            by_place: dict[int, dict[int, tuple[int, int]]] = {}
+            for t, start, numel, f in table[name]:
+                by_place.setdefault(t, {})[int(gathered[f].get("replica", 0))] = (start, numel)
+            rule = _fit(by_place, math.prod(m["shape"]), tp, replicas)
+        compact[name] = rule if rule is not None else table[name]
+    head = {"format": FORMAT, "tp": tp, **saved, "params": params, "files": files}
+    index = {**head, "replicas": replicas, "grid": grid, "pieces": compact}
+    return index, {**head, "pieces": table}
+
+
+def write_index(out: Path, params: dict, gathered: list, tp: int, saved: dict) -> None:
+    """Rank 0: ``universal/index.json`` and ``universal/meta.json`` (``index_record``)."""
+    index, meta = index_record(params, gathered, tp, saved)
+    atomic_write_text(Path(out) / META, json.dumps(meta, separators=(",", ":")))
+    atomic_write_text(Path(out) / INDEX, json.dumps(index, separators=(",", ":")))
+
+
+def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32) -> dict:
+    """Write one rank's pieces (``own_pieces``) to ``path``, one tensor on the host at a time, with block
+    checksums; returns its digests (``tensor_file.write``)."""
+    meta = {"format": str(FORMAT), "rank": str(rank), "step": str(step)}
+    return tensor_file.write(path, _entries(pieces, to_host), meta, checksums=True)
 
 
 def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
     """Collective: every rank writes its own share to ``universal/rank<R>.safetensors``; rank 0 writes
-    ``meta.json``. Returns ``{relative name: {bytes, sha256}}`` of the file this rank wrote (hashed as
-    written). An asynchronous save passes ``to_host`` (a host copy in staging buffers, made now) and
-    ``submit(path, write)`` (queue the write on the background thread, which records the digest)."""
+    ``index.json`` and ``meta.json``. Returns ``{relative name: {bytes, sha256, header_sha256}}`` of the
+    file this rank wrote (hashed as written). An asynchronous save passes ``to_host`` (a host copy in
+    staging buffers, made now) and ``submit(path, write)`` (queue the write on the background thread, which
+    records the digest)."""
     rank = dist.get_rank()
     out = Path(step_dir) / "universal"
     out.mkdir(parents=True, exist_ok=True)
@@ -172,20 +245,20 @@ def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -
     mine = {
         "file": file_name(rank),
         "tp": parallel_state.get_tensor_model_parallel_rank(),
+        "replica": _replica()[0],
         "pieces": [(name, start, numel) for name, start, numel, _ in pieces],
     }
     gathered = collectives.gather_object(mine, dst=0)
     if rank == 0:
-        record = _record(engine, masters, step, params, gathered)
-        atomic_write_text(out / "meta.json", json.dumps(record, separators=(",", ":")))
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        write_index(out, params, gathered, tp, counters(engine, masters, step))
     path = out / file_name(rank)
-    meta = {"format": str(FORMAT), "rank": str(rank), "step": str(step)}
     if submit is None:  # synchronous: one tensor on the host at a time
-        return {f"universal/{path.name}": tensor_file.write(path, _entries(pieces, to_host), meta)}
+        return {f"universal/{path.name}": write_share(path, pieces, rank, step, to_host)}
     staged = [
         (name, start, numel, {k: to_host(t) for k, t in dest.items()}) for name, start, numel, dest in pieces
     ]
-    submit(path, lambda dest: tensor_file.write(dest, _entries(staged, lambda t: t), meta))
+    submit(path, lambda dest: write_share(dest, staged, rank, step, lambda t: t))
     return {}
 
 
@@ -197,32 +270,37 @@ def load(
     keys: tuple[str, ...] = KEYS,
     adam_step: int | None = None,
     schedule: bool = True,
+    manifest: dict | None = None,
 ) -> None:
     """Collective: set every rank's fp32 masters, Adam moments and forward weights from a checkpoint of any
-    layout, reading only the ranges this rank holds.
+    layout, reading only the ranges this rank holds, each file it needs opened once and checked as read
+    against ``manifest`` (the checkpoint's, read by the caller; ``slices.py``). A problem on any rank
+    (a corrupt file, another model) is raised on every rank before any rank goes on to a collective.
 
     A new run from another run's weights (``train.init_from``) reads ``keys`` ("" alone: weights only,
     Adam starts empty), sets Adam's step counter to ``adam_step`` and keeps its own LR schedule
     (``schedule=False``)."""
-    reader = UniversalReader(
-        step_dir,
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
-    )
-    mismatched = mismatches(reader, model)
-    if mismatched:  # before anything is copied; the same on every rank (same model, same checkpoint)
-        raise ModelMismatch(mismatched, step_dir)
     masters = layout_of(engine)
     masters.prepare()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            for owned in masters.owned(p):
-                for key in keys:
-                    piece = reader.read_flat(name, key, owned.start, owned.numel)
-                    owned.dest[key].copy_(piece)
-                    if not key and "lp" in owned.dest:
-                        owned.dest["lp"].copy_(piece)
-                    del piece
+    reader, problem, mismatched = None, "", []
+    try:
+        reader = UniversalReader(
+            step_dir,
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            manifest,
+        )
+        mismatched = mismatches(reader, model)
+    except CheckpointError as e:
+        problem = str(e)
+    _agree(step_dir, problem, mismatched)  # before anything is copied
+    try:
+        read_into(reader, ((name, o) for name, p in model.named_parameters() for o in masters.owned(p)), keys)
+    except CheckpointError as e:
+        problem = str(e)
+    finally:
+        reader.close()
+    raise_everywhere(problem)
     meta = reader.meta
     if adam_step is None:  # a resume: the saved counters (older checkpoints: the trainer's step)
         saved = meta.get("adam_step")
@@ -232,6 +310,30 @@ def load(
     if schedule:
         lr_step = meta.get("lr_step")
         _set_schedule(engine.lr_scheduler, step if lr_step is None else int(lr_step))
+
+
+def read_into(reader: UniversalReader, owned, keys: tuple[str, ...] = KEYS) -> None:
+    """Copy each ``(name, Owned)`` range of ``owned`` from the checkpoint into its destinations, one range
+    on the host at a time (no collective: a simulated rank runs it as a real one does)."""
+    with torch.no_grad():
+        for name, o in owned:
+            for key in keys:
+                piece = reader.read_flat(name, key, o.start, o.numel)
+                o.dest[key].copy_(piece)
+                if not key and "lp" in o.dest:
+                    o.dest["lp"].copy_(piece)
+                del piece
+
+
+def _agree(step_dir: Path, problem: str, mismatched: list[str]) -> None:
+    """Collective: the lowest failing rank's problem, or model mismatch, raised on every rank."""
+    found = gather((problem, mismatched))
+    for rank, (error, _) in enumerate(found):
+        if error:
+            raise CheckpointError(error + (f" (found on rank {rank})" if len(found) > 1 else ""))
+    for problems in (m for _, m in found):
+        if problems:
+            raise ModelMismatch(problems, step_dir)
 
 
 class ModelMismatch(CheckpointError):
@@ -280,18 +382,14 @@ def split(full: torch.Tensor, meta: dict, tp: int, rank: int) -> torch.Tensor:
 
 
 def read_full(
-    step_dir: Path, keys: tuple[str, ...] = ("",)
+    step_dir: Path, keys: tuple[str, ...] = ("",), manifest: dict | None = None
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """Every parameter whole (TP merged), per key ("" = value, or a moment): ({name: {key: tensor}}, meta).
-    For one-process tools (export); a training rank reads its slices through ``slices.UniversalReader``."""
-    reader = UniversalReader(step_dir, 1, 0)
-    meta = reader.meta
-    out = {}
-    for name, m in meta["params"].items():
-        out[name] = {
-            key: merge([reader.saved_local(r, name, key) for r in range(reader.saved_tp)], m) for key in keys
-        }
-    return out, meta
+    The whole model on the host: for tests and small tools (export streams tensor by tensor instead; a
+    training rank reads its slices through ``slices.UniversalReader``)."""
+    with UniversalReader(step_dir, 1, 0, manifest) as reader:
+        out = {name: {key: reader.read_local(name, key) for key in keys} for name in reader.meta["params"]}
+        return out, reader.meta
 
 
 def _set_schedule(scheduler, step: int) -> None:

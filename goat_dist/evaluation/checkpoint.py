@@ -1,11 +1,16 @@
 """Load a trained model for evaluation, at any tensor-parallel size, without running checkpoint code.
 
 Accepted: a run directory (its ``checkpoints/latest``), a ``checkpoints/`` directory, one ``step_*``
-directory (read through ``checkpoint.universal.read_full``: the TP-merged fp32 weights in safetensors,
-after the manifest check), or a ``goat-dist ckpt export`` directory (``model.safetensors`` +
-``config.json``). Nothing is unpickled. The model is built for the current ``parallel_state`` and every
-full tensor is cut for this TP rank by the split the new model's parameter declares (megatron's
-``partition_dim`` / ``partition_stride``), so a checkpoint trained at one TP size evaluates at another.
+directory (its universal state, read through ``checkpoint.slices.UniversalReader``), or a ``goat-dist ckpt
+export`` directory (``model.safetensors`` + ``config.json``). Nothing is unpickled.
+
+Why in two steps: ``read_checkpoint`` runs before the process groups exist (the model's config decides
+the layout) and reads only the config and run state; ``build_model`` builds the model for this rank's
+``parallel_state`` and reads each parameter's TP slice straight into it, cut by the split the new
+model's parameter declares (megatron's ``partition_dim`` / ``partition_stride``), so a checkpoint
+trained at one TP size evaluates at another. A rank of an N-way evaluation reads only its slice of a
+universal state (the files holding it, each opened once, checked as read against the manifest), and holds
+its slice plus one tensor on the host; an export directory's whole tensors are read one at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from pathlib import Path
 import torch
 import yaml
 from megatron.core import parallel_state
-from safetensors import safe_open
 
 from ..config import GoatConfig, ModelConfig
 
@@ -41,26 +45,97 @@ def _model_config(raw: dict, backend: str | None) -> ModelConfig:
     return cfg
 
 
+class ExportTensors:
+    """An export directory's ``model.safetensors``: whole TP=1 tensors, each read when asked for."""
+
+    def __init__(self, path: Path):
+        from ..checkpoint.tensor_file import TensorFile
+
+        self.path, self.file = path, None
+        with TensorFile(path, str(path)) as f:  # its header: the step it was exported at
+            step = f.metadata.get("step")
+        self.step = int(step) if step is not None else None
+
+    def local(self, name: str, p: torch.nn.Parameter, tp: int, tp_rank: int, source: Path) -> torch.Tensor:
+        from ..checkpoint import universal
+        from ..checkpoint.tensor_file import TensorFile
+
+        if self.file is None:
+            self.file = TensorFile(self.path, str(self.path))
+        if name not in self.file:
+            raise KeyError(f"{source}: no weights for parameter {name}")
+        full = self.file.read_whole(name).float()
+        meta = universal.split_meta(p)
+        if meta["tp_split"] and meta["dim"] == 0 and full.shape[0] != p.shape[0] * tp:
+            full = _fit_rows(full, p.shape[0] * tp)  # the (padded) vocabulary of embedding / output
+        return universal.split(full, meta, tp, tp_rank)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class UniversalTensors:
+    """A checkpoint's universal state, read as this rank's TP slices (the reader opens on first use, for
+    the TP layout the process groups have by then)."""
+
+    def __init__(self, step_dir: Path, manifest: dict):
+        self.step_dir, self.manifest = step_dir, manifest
+        self.reader = None
+
+    def local(self, name: str, p: torch.nn.Parameter, tp: int, tp_rank: int, source: Path) -> torch.Tensor:
+        from ..checkpoint import universal
+        from ..checkpoint.slices import UniversalReader
+
+        if self.reader is None:
+            self.reader = UniversalReader(self.step_dir, tp, tp_rank, self.manifest)
+        reader = self.reader
+        if name not in reader.meta["params"]:
+            raise KeyError(f"{source}: no weights for parameter {name}")
+        meta = universal.split_meta(p)
+        rows = reader.saved_tp * reader.saved_shape(name)[0] if meta["tp_split"] else None
+        if meta["dim"] == 0 and rows is not None and rows != p.shape[0] * tp:
+            return self._vocab_rows(name, p, tp, tp_rank)
+        return reader.read_local(name)
+
+    def _vocab_rows(self, name: str, p, tp: int, tp_rank: int) -> torch.Tensor:
+        """This rank's rows of a tensor whose padded vocabulary differs between the TP sizes: padded rows
+        carry no probability, so rows past the saved ones are zeros (as ``_fit_rows``)."""
+        rows = p.shape[0]
+        full = self.reader.with_layout(1, 0)
+        saved = full.local_shape(name)[0]
+        lo, hi = tp_rank * rows, min((tp_rank + 1) * rows, saved)
+        out = torch.zeros(rows, *p.shape[1:])
+        if hi > lo:
+            out[: hi - lo] = full.read_rows(name, "", lo, hi)
+        return out
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
 def _read(path: Path):
-    """(model config dict, {name: full tensor}, step, source dir, run dir, run config)."""
+    """(model config dict, tensor source, step, source dir, run dir, run config): the config and run state
+    only; the tensors are read by ``build_model``."""
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-            step = (f.metadata() or {}).get("step")
+        tensors = ExportTensors(path / "model.safetensors")
         raw = json.loads((path / "config.json").read_text())
-        return raw, tensors, int(step) if step is not None else None, path, None, None
+        return raw, tensors, tensors.step, path, None, None
     from ..checkpoint import universal
+    from ..checkpoint.digests import read_checked, read_manifest
     from ..checkpoint.export import resolve_step_dir
-    from ..checkpoint.manager import STATE, verify
+    from ..checkpoint.names import STATE
 
     step_dir = resolve_step_dir(path)
-    verify(step_dir)
-    universal.require_state(step_dir, "evaluate it")
-    config = yaml.safe_load((step_dir / "config.yaml").read_text())
-    full, _ = universal.read_full(step_dir, ("",))
-    step = json.loads((step_dir / STATE).read_text()).get("step")
+    manifest = read_manifest(step_dir)
+    universal.require_state(step_dir, "evaluate it", manifest)
+    config = yaml.safe_load(read_checked(step_dir, "config.yaml", manifest))
+    step = json.loads(read_checked(step_dir, STATE, manifest)).get("step")
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
-    return config["model"], {n: t[""] for n, t in full.items()}, step, step_dir, run_dir, config
+    return config["model"], UniversalTensors(step_dir, manifest), step, step_dir, run_dir, config
 
 
 def _fit_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
@@ -71,7 +146,8 @@ def _fit_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def read_checkpoint(path: str | Path, backend: str | None = None) -> tuple[ModelConfig, dict]:
-    """(model config, everything else ``build_model`` needs); reads files only, no process group needed."""
+    """(model config, everything else ``build_model`` needs); reads the config and run state only (the
+    weights are read by ``build_model``), no process group needed."""
     raw, tensors, step, source, run_dir, run_config = _read(Path(path))
     cfg = _model_config(raw, backend)
     return cfg, {
@@ -85,27 +161,25 @@ def read_checkpoint(path: str | Path, backend: str | None = None) -> tuple[Model
 
 @torch.no_grad()
 def build_model(cfg: ModelConfig, read: dict) -> Loaded:
-    """Build the model for this rank's ``parallel_state`` (eval mode, fp32) and load the weights into it."""
-    from ..checkpoint import universal
+    """Build the model for this rank's ``parallel_state`` (eval mode, fp32) and load its weights into it,
+    one tensor at a time: this rank's TP slice of each."""
     from ..model import GPT
 
     tensors, source = read["tensors"], read["source"]
     model = GPT(cfg)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for name, p in model.named_parameters():
-        if name not in tensors:
-            raise KeyError(f"{source}: no weights for parameter {name}")
-        full = tensors[name].float()
-        meta = universal.split_meta(p)
-        if meta["tp_split"] and full.shape[meta["dim"]] != p.shape[meta["dim"]] * tp and meta["dim"] == 0:
-            full = _fit_rows(full, p.shape[0] * tp)  # the (padded) vocabulary of embedding / output
-        local = universal.split(full, meta, tp, tp_rank)
-        if local.shape != p.shape:
-            raise ValueError(
-                f"{source}: {name} has shape {tuple(local.shape)} here, model wants {tuple(p.shape)}"
-            )
-        p.copy_(local)
+    try:
+        for name, p in model.named_parameters():
+            local = tensors.local(name, p, tp, tp_rank, source)
+            if local.shape != p.shape:
+                raise ValueError(
+                    f"{source}: {name} has shape {tuple(local.shape)} here, model wants {tuple(p.shape)}"
+                )
+            p.copy_(local)
+            del local
+    finally:
+        tensors.close()
     return Loaded(model.eval(), cfg, read["step"], source, read["run_dir"], read["run_config"])
 
 

@@ -1,0 +1,269 @@
+"""Reading a universal state by its share: block checksums, the compact index, one open per file.
+
+* ``tensor_file``: ranges of a checksummed file read back exactly; a flipped byte, a truncated file or a
+  rewritten header is a CheckpointError naming the file; a file without checksums (an earlier release's)
+  is checked whole against the manifest when opened.
+* ``universal.index_record``: ZeRO-3's pieces become one ``even`` rule per parameter, the replicated
+  layouts' one ``share`` rule, irregular ones (ZeRO-1/2) a list; the reader finds the same elements
+  through the index as through meta.json's full list, for TP 1/2/4 -> 1/2/4 and any range.
+* A corrupt file stops only the ranks that read it, and is named; a rank reading other files does not
+  open it. A format-2 checkpoint of the previous release is read through meta.json, each file it opens
+  checked whole against the manifest.
+* ``ckpt export`` streams: every state file opened once, the merged tensors written one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from goat_dist.checkpoint import tensor_file, universal
+from goat_dist.checkpoint.digests import digest, listing
+from goat_dist.checkpoint.errors import CheckpointError
+from goat_dist.checkpoint.manager import write_manifest
+from goat_dist.checkpoint.slices import UniversalReader
+from goat_dist.checkpoint.tensor_file import TensorFile
+from goat_dist.engine.masters import KEYS
+
+SPLITS = {
+    "w0": ([24, 6], {"tp_split": True, "dim": 0, "stride": 1}),
+    "w1": ([6, 16], {"tp_split": True, "dim": 1, "stride": 1}),
+    "fc1": ([32, 3], {"tp_split": True, "dim": 0, "stride": 2}),
+    "norm": ([8], {"tp_split": False, "dim": 0, "stride": 1}),
+    "big": ([4096, 3], {"tp_split": True, "dim": 0, "stride": 1}),  # several checksum blocks per piece
+}
+
+
+def full_value(name: str, key: str) -> torch.Tensor:
+    """A whole (TP=1) tensor whose every element is distinct and recomputable."""
+    shape = SPLITS[name][0]
+    base = list(SPLITS).index(name) * 1000 + KEYS.index(key) * 100
+    return (torch.arange(math.prod(shape), dtype=torch.float64) * 1e-3 + base).float().reshape(shape)
+
+
+def local_value(name: str, key: str, tp: int, rank: int) -> torch.Tensor:
+    shape, meta = SPLITS[name]
+    return universal.split(full_value(name, key), meta, tp, rank).contiguous()
+
+
+def even(numel: int, count: int, i: int) -> tuple[int, int]:
+    size = -(-numel // count)
+    lo = min(numel, i * size)
+    return lo, min(numel, lo + size) - lo
+
+
+def ragged(numel: int, count: int, i: int) -> tuple[int, int]:
+    """Uneven cuts inside rows, replica 1 empty (as ZeRO-1/2 flat groups cut parameters)."""
+    fifth = numel // 5
+    cuts = [0, fifth, fifth] + [fifth + (numel - fifth) * j // (count - 1) for j in range(2, count)] + [numel]
+    return cuts[i], cuts[i + 1] - cuts[i]
+
+
+def write_checkpoint(step_dir, tp: int, dp: int, cut=even, step: int = 3) -> dict:
+    """The universal state of a TP x DP world written by the real writer (each rank its pieces, rank 0 the
+    index), with a manifest holding each file's digests as the save records them."""
+    udir = step_dir / "universal"
+    udir.mkdir(parents=True)
+    params = {
+        name: {**meta, "shape": list(local_value(name, "", tp, 0).shape)}
+        for name, (_, meta) in SPLITS.items()
+    }
+    gathered, known = [], {}
+    for rank in range(tp * dp):
+        t, i = rank % tp, rank // tp
+        pieces = []
+        for name in SPLITS:
+            n = math.prod(params[name]["shape"])
+            start, numel = cut(n, dp, i)
+            if numel > 0:
+                dest = {k: local_value(name, k, tp, t).reshape(-1)[start : start + numel] for k in KEYS}
+                pieces.append((name, start, numel, dest))
+        path = udir / universal.file_name(rank)
+        known[f"universal/{path.name}"] = universal.write_share(path, pieces, rank, step)
+        gathered.append({"file": path.name, "tp": t, "replica": i, "pieces": [p[:3] for p in pieces]})
+    universal.write_index(udir, params, gathered, tp, {"step": step, "adam_step": step})
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
+    files = {name: digest(step_dir / name) for name in listing(step_dir)}
+    write_manifest(step_dir, {"step": step}, files={**files, **known})
+    return json.loads((step_dir / "manifest.json").read_text())
+
+
+# ---- tensor_file ---------------------------------------------------------------------------------------
+def test_checksummed_ranges_read_back_and_damage_is_named(tmp_path):
+    values = {"a": torch.randn(5000), "b": torch.randn(7, 3), "c": torch.randn(0)}
+    entries = [tensor_file.Entry(k, torch.float32, list(v.shape), lambda v=v: v) for k, v in values.items()]
+    path = tmp_path / "f.safetensors"
+    written = tensor_file.write(path, entries, {"x": "1"}, checksums=True)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(path)["a"], values["a"])  # still a safetensors file
+    with TensorFile(path, expect=written) as f:
+        assert f.checksums == (tensor_file.BLOCK_MIN, tensor_file.BLOCKS_MAX)
+        for lo, hi in ((0, 5000), (1, 2), (1023, 1025), (4999, 5000), (3000, 3000)):
+            assert torch.equal(f.read("a", lo, hi), values["a"][lo:hi])
+        assert torch.equal(f.read_whole("b"), values["b"]) and f.read("c").numel() == 0
+        with pytest.raises(CheckpointError, match=r"f.safetensors has no elements \[4, 30\) of 'b'"):
+            f.read("b", 4, 30)
+    data = bytearray(path.read_bytes())
+    head = 8 + int.from_bytes(data[:8], "little")
+    data[head + 4 * 2500] ^= 1  # an element of a's block 2500 // block
+    path.write_bytes(bytes(data))
+    block = tensor_file.block_size(5000)
+    with TensorFile(path, "universal/f.safetensors", "checkpoint X (step 3): ", written) as f:
+        intact = 2500 // block * block
+        assert torch.equal(f.read("a", 0, intact), values["a"][:intact])  # the intact blocks still read
+        with pytest.raises(CheckpointError, match=rf"checkpoint X \(step 3\): universal/f.safetensors does "
+                           rf"not match its checksums: block {2500 // block} of 'a'"):  # fmt: skip
+            f.read("a", 2499, 2501)
+    path.write_bytes(bytes(data[:-100]))
+    with pytest.raises(CheckpointError, match=r"f.safetensors has \d+ bytes, expected \d+ \(truncated\?\)"):
+        TensorFile(path, expect=written)
+    with pytest.raises(CheckpointError, match=r"f.safetensors is shorter than its header says.*truncated"):
+        TensorFile(path)  # without a manifest: the header's offsets no longer fit the file
+    rewritten = tensor_file.header(entries[:1], {"y": "2"})
+    path.write_bytes(rewritten + bytes(4 * 5000))
+    with pytest.raises(CheckpointError, match="does not match its sha256 .its header"):
+        TensorFile(path, expect={"header_sha256": written["header_sha256"]})
+    with pytest.raises(CheckpointError, match=r"nowhere.safetensors is missing"):
+        TensorFile(tmp_path / "nowhere.safetensors")
+
+
+def test_a_file_without_checksums_is_checked_whole_when_opened(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "tp00.safetensors"
+    save_file({"w": torch.arange(10.0)}, str(path))
+    record = digest(path)
+    with TensorFile(path, expect=record) as f:
+        assert f.checksums is None and torch.equal(f.read("w", 2, 5), torch.arange(2.0, 5.0))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tp00.safetensors does not match its sha256"):
+        TensorFile(path, expect=record)
+
+
+# ---- the index -----------------------------------------------------------------------------------------
+def test_the_index_is_a_rule_per_parameter_where_one_fits(tmp_path):
+    write_checkpoint(tmp_path / "zero3", tp=2, dp=8)
+    index = json.loads((tmp_path / "zero3" / "universal" / "index.json").read_text())
+    assert index["replicas"] == 8 and len(index["grid"]) == 2 and index["grid"][1][3] == 7  # rank 7: t1, i3
+    assert all(isinstance(rule, dict) and "even" in rule for rule in index["pieces"].values())
+    meta = json.loads((tmp_path / "zero3" / "universal" / "meta.json").read_text())
+    assert sum(len(p) for p in meta["pieces"].values()) > 60  # every piece, for the previous release
+    write_checkpoint(tmp_path / "share", tp=1, dp=3, cut=lambda n, c, i: universal._share(0, n, i, c))
+    index = json.loads((tmp_path / "share" / "universal" / "index.json").read_text())
+    assert index["pieces"]["norm"] == {"share": 3}  # 8 elements: 2, 3, 3 (the others split evenly too)
+    assert all(isinstance(rule, dict) for rule in index["pieces"].values())
+    write_checkpoint(tmp_path / "ragged", tp=1, dp=4, cut=ragged)
+    index = json.loads((tmp_path / "ragged" / "universal" / "index.json").read_text())
+    assert all(isinstance(rule, list) for rule in index["pieces"].values())
+
+
+@pytest.mark.parametrize("cut", [even, ragged], ids=["zero3", "ragged"])
+@pytest.mark.parametrize("saved_tp", [1, 2, 4])
+@pytest.mark.parametrize("new_tp", [1, 2, 4])
+def test_the_index_finds_every_range_on_any_layout(saved_tp, new_tp, cut, tmp_path):
+    manifest = write_checkpoint(tmp_path, saved_tp, dp=3, cut=cut)
+    for rank in range(new_tp):
+        with UniversalReader(tmp_path, new_tp, rank, manifest) as reader:
+            assert reader.index_name == "universal/index.json"
+            for name in SPLITS:
+                for key in KEYS:
+                    flat = local_value(name, key, new_tp, rank).reshape(-1)
+                    n = flat.numel()
+                    assert torch.equal(reader.read_local(name, key).reshape(-1), flat), (name, key)
+                    for start, numel in ((1, n - 2), (n // 3, n // 3 + 1), (n - 1, 1)):
+                        got = reader.read_flat(name, key, start, numel)
+                        assert torch.equal(got, flat[start : start + numel]), (name, key, start)
+            opened = sorted(reader._files)
+        assert len(opened) == len(set(opened))
+
+
+def test_a_corrupt_file_stops_only_its_readers_and_is_named(tmp_path):
+    manifest = write_checkpoint(tmp_path, tp=1, dp=4)
+    path = tmp_path / "universal" / "rank00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-4 * 50] ^= 0xFF  # inside rank 2's last tensor (before the checksum table)
+    path.write_bytes(bytes(data))
+    with UniversalReader(tmp_path, 1, 0, manifest) as reader:
+        n = math.prod(SPLITS["big"][0])
+        size = -(-n // 4)
+        assert torch.equal(reader.read_flat("big", "", 0, size), full_value("big", "").reshape(-1)[:size])
+        assert "universal/rank00002.safetensors" not in reader._files
+        with pytest.raises(CheckpointError, match=r"\(step 3\): universal/rank00002.safetensors does not "
+                           r"match its checksums"):  # fmt: skip
+            reader.read_local("big", "exp_avg_sq")
+    path.unlink()
+    with UniversalReader(tmp_path, 1, 0, manifest) as reader:
+        with pytest.raises(CheckpointError, match=r"universal/rank00002.safetensors is missing"):
+            reader.read_local("norm")
+
+
+def test_an_earlier_format_2_checkpoint_is_read_through_meta_json_and_checked_whole(tmp_path):
+    """A format-2 checkpoint of the previous release (meta.json only, no block checksums, no header digests
+    in its manifest) reads the same elements; each file a rank opens is checked whole against the
+    manifest's sha256, once, and a corrupt one is named only by the ranks that open it."""
+    from safetensors.torch import save_file
+
+    udir = tmp_path / "universal"
+    udir.mkdir()
+    files, pieces = [], {name: [] for name in SPLITS}
+    for i in range(2):
+        tensors = {}
+        for name in SPLITS:
+            n = math.prod(SPLITS[name][0])
+            start, numel = even(n, 2, i)
+            for key in KEYS:
+                tensors[f"{name}::{key}" if key else name] = full_value(name, key).reshape(-1)[
+                    start : start + numel
+                ]
+            pieces[name].append([0, start, numel, i])
+        files.append(f"rank{i:05d}.safetensors")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(udir / files[-1]))
+    params = {name: {**meta, "shape": shape} for name, (shape, meta) in SPLITS.items()}
+    meta = {"format": 2, "tp": 1, "step": 3, "params": params, "files": files, "pieces": pieces}
+    (udir / "meta.json").write_text(json.dumps(meta))
+    write_manifest(tmp_path, {"step": 3})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "header_sha256" not in manifest["files"]["universal/rank00000.safetensors"]
+    with UniversalReader(tmp_path, 1, 0, manifest) as reader:
+        assert reader.index_name == "universal/meta.json"
+        for name in SPLITS:
+            assert torch.equal(reader.read_local(name, "exp_avg"), full_value(name, "exp_avg"))
+    data = bytearray((udir / files[1]).read_bytes())
+    data[-1] ^= 1
+    (udir / files[1]).write_bytes(bytes(data))
+    with UniversalReader(tmp_path, 1, 0, manifest) as reader:
+        first = even(math.prod(SPLITS["big"][0]), 2, 0)[1]
+        assert torch.equal(reader.read_flat("big", "", 0, first), full_value("big", "").reshape(-1)[:first])
+        with pytest.raises(CheckpointError, match=r"\(step 3\): universal/rank00001.safetensors does not "
+                           r"match its sha256"):  # fmt: skip
+            reader.read_flat("big", "", first, 1)
+
+
+def test_export_streams_each_file_opened_once(tmp_path):
+    """``ckpt export`` of a TP=2 x DP=3 state: every tensor merged whole, every state file opened once
+    (all its tensors read through the one handle) and nothing else of the state read but the index."""
+    from safetensors.torch import load_file
+    from workers.share_reads import IoCount
+
+    from goat_dist.checkpoint.export import export
+
+    step_dir = tmp_path / "step_00000003"
+    manifest = write_checkpoint(step_dir, tp=2, dp=3)
+    (step_dir / "config.yaml").write_text("model: {}\n")
+    write_manifest(
+        step_dir, {"step": 3}, files={**manifest["files"], "config.yaml": digest(step_dir / "config.yaml")}
+    )
+    with IoCount(step_dir) as io:
+        out = export(step_dir, tmp_path / "out")
+    state = sorted(p for p in io.opened if p.startswith("universal/"))
+    assert state == ["universal/index.json"] + [f"universal/rank{r:05d}.safetensors" for r in range(6)], state
+    checkpoint_files = {name for name in io.stats if (step_dir / name).is_file()}  # not the paths it tried
+    assert checkpoint_files <= set(io.opened), io.stats
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == set(SPLITS) and all(torch.equal(exported[n], full_value(n, "")) for n in SPLITS)
