@@ -81,6 +81,8 @@ class ModelConfig:
     init_std: float = 0.02
     dropout: float = 0.0
     vocab_pad_multiple: int = 128
+    # torch.compile each transformer block's training forward: auto (on CUDA only) | true | false
+    compile: bool | str = "auto"
     goat: GoatConfig = field(default_factory=GoatConfig)
 
 
@@ -410,6 +412,8 @@ def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     _choice("model.position", m.position, POSITIONS)
     _choice("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
+    if m.compile not in ("auto", True, False):
+        raise ConfigError(f"config key 'model.compile' must be auto, true or false, got {m.compile!r}")
     _choice("model.activation", m.activation, ACTIVATIONS)
     _choice("model.norm", m.norm, NORMS)
     _choice("model.goat.prior_init", m.goat.prior_init, PRIOR_INITS)

@@ -19,6 +19,7 @@ from ..kernels import attend, resolve_backend
 from ..parallel.context import ContextShard, attend_context
 from ..parallel.model_parallel import plain_call
 from ..shapes import grouped_qkv_width, head_dims
+from .compile import ColumnParallelLinear, RowParallelLinear
 from .positions import build_position
 
 
@@ -45,7 +46,7 @@ class ParallelSelfAttention(nn.Module):
         # set by ``parallel.model_parallel.apply``)
         self.core_call = plain_call
         width = grouped_qkv_width(kv_heads, self.group, self.content_dim, self.head_dim)
-        self.qkv = tensor_parallel.ColumnParallelLinear(
+        self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
             width,
             config=mp_config,
@@ -53,7 +54,7 @@ class ParallelSelfAttention(nn.Module):
             bias=cfg.bias,
             gather_output=False,
         )
-        self.proj = tensor_parallel.RowParallelLinear(
+        self.proj = RowParallelLinear(
             heads * self.head_dim,
             cfg.hidden_size,
             config=mp_config,
@@ -86,11 +87,23 @@ class ParallelSelfAttention(nn.Module):
 
     def _attend_cp(self, q, k, v, position_ids, shard: ContextShard):
         """Context parallel: the scheme applied to this rank's q/k, K/V all-gathered over the CP group,
-        each local chunk attending its key prefix (``parallel.context.attend_context``)."""
-        return attend_context(q, k, v, position_ids, shard, position=self.position, backend=self.backend)
+        each local chunk attending its key prefix (``parallel.context.attend_context``). Eager inside a
+        compiled block: dynamo cannot trace the K/V all-gather's process group."""
+        return _eager_attend_context(
+            q, k, v, position_ids, shard, position=self.position, backend=self.backend
+        )
 
     def _attend(self, q, k, v, position_ids, segments=None, origin=None):
         q, k, scale, extra = self.position.kernel_inputs(
             q, k, position_ids, backend=self.backend, origin=origin
         )
-        return attend(q, k, v, causal=True, scale=scale, backend=self.backend, segments=segments, **extra)
+        call = attend if self.backend in TRACEABLE else _eager_attend
+        return call(q, k, v, causal=True, scale=scale, backend=self.backend, segments=segments, **extra)
+
+
+# Kernels torch.compile traces (model.compile); FlashAttention's (flash4: CuTe-DSL JIT code, flash: an
+# extension that reads host values for packed documents) and context parallelism's attention run eagerly
+# between two compiled graphs.
+TRACEABLE = ("sdpa", "eager")
+_eager_attend = torch.compiler.disable(attend)
+_eager_attend_context = torch.compiler.disable(attend_context)

@@ -26,6 +26,7 @@ from ..parallel import model_parallel
 from ..parallel.context import ContextShard
 from ..shapes import ffn_size, padded_vocab_size
 from .attention import ParallelSelfAttention
+from .compile import ColumnParallelLinear, RowParallelLinear, compiled_block_forward, resolve_compile
 
 __all__ = ["GPT", "ffn_size", "init_shard_", "init_shards_", "padded_vocab_size"]
 
@@ -48,7 +49,7 @@ class ParallelMLP(nn.Module):
         ffn = ffn_size(cfg)
         # SwiGLU's gate and up projections are one fused matrix; stride 2 gives each rank the matching
         # slices of both, so the split (and the initial weights) are the same for any TP size.
-        self.fc1 = tensor_parallel.ColumnParallelLinear(
+        self.fc1 = ColumnParallelLinear(
             cfg.hidden_size,
             2 * ffn if self.swiglu else ffn,
             config=mp_config,
@@ -58,7 +59,7 @@ class ParallelMLP(nn.Module):
             stride=2 if self.swiglu else 1,
         )
         self.fc1.weight_stride = 2 if self.swiglu else 1  # megatron keeps it only in its own init
-        self.fc2 = tensor_parallel.RowParallelLinear(
+        self.fc2 = RowParallelLinear(
             ffn,
             cfg.hidden_size,
             config=mp_config,
@@ -88,8 +89,14 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(cfg, sp)
         self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.compiled = False  # model.compile: training forwards run compiled (``model/compile.py``)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None, shard=None) -> torch.Tensor:
+        if self.compiled and self.training:
+            return compiled_block_forward(self, x, position_ids, segments, shard)
+        return self.layers(x, position_ids, segments, shard)
+
+    def layers(self, x: torch.Tensor, position_ids: torch.Tensor, segments=None, shard=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), position_ids, segments, shard=shard))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
@@ -184,6 +191,7 @@ class GPT(nn.Module):
         context=model_parallel.WORLD,
         built=None,
         documents: bool = True,
+        compile=None,
     ):
         """``context``: context parallelism (``parallel.context.ContextParallel``, None, or by default
         this process's, see ``parallel.model_parallel.apply``).
@@ -197,7 +205,10 @@ class GPT(nn.Module):
         ``documents``: whether positions may restart inside a row (packed documents,
         ``data.document_masking``). The forward then finds the documents, which reads one value on the
         host per micro-batch (``kernels.document_segments``); False skips that and its sync: every row
-        is one sequence."""
+        is one sequence.
+
+        ``compile``: ``model.compile`` (auto | True | False; None: ``cfg.compile``): each block's training
+        forward through ``torch.compile`` (``model/compile.py``)."""
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -242,7 +253,7 @@ class GPT(nn.Module):
         self.output = None
         if not cfg.tie_embeddings:
             self.output = parts.done(
-                tensor_parallel.ColumnParallelLinear(
+                ColumnParallelLinear(
                     cfg.hidden_size,
                     self.padded_vocab,
                     config=mp,
@@ -251,7 +262,12 @@ class GPT(nn.Module):
                     gather_output=False,
                 )
             )
-        model_parallel.apply(self, activation_checkpointing=activation_checkpointing, context=context)
+        model_parallel.apply(
+            self,
+            activation_checkpointing=activation_checkpointing,
+            context=context,
+            compile=resolve_compile(cfg.compile if compile is None else compile),
+        )
 
     # ---- forward ----------------------------------------------------------------------------------
     def hidden_states(
@@ -270,8 +286,14 @@ class GPT(nn.Module):
         # None unless positions restart (packed documents); under CP the shard holds the whole rows'
         segments = document_segments(position_ids) if shard is None and self.documents else None
         x = self.into_sequence_region(x)  # scatter under SP (parallel.model_parallel)
+        clock = self.compile_clock if self.training else None  # model.compile: times the first pass
+        if clock is not None and clock.waiting:
+            clock.start()
+        first = x
         for block in self.blocks:
             x = self.block_call(self, block, x, position_ids, segments, shard)  # checkpointed under ``full``
+        if clock is not None and clock.waiting:
+            clock.stop(first, x)
         return self.final_norm(x)
 
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,9 @@ def two_ranks(builtin_cache, tmp_path_factory):
         builtin_cache,
         [
             "train:cp2:parallel.cp=2,checkpoint.interval=5",
-            # the last step evaluates too: attention statistics are skipped under CP (README)
-            f"train:cp2-docs:parallel.cp=2,{DOCS},train.eval_interval=10,train.eval_batches=1",
+            # the last step evaluates too: attention statistics are skipped under CP (README); compiled
+            # blocks (model.compile) with CP's attention eager between their graphs
+            f"train:cp2-docs:parallel.cp=2,{DOCS},train.eval_interval=10,train.eval_batches=1,model.compile=true",
         ],
     )
     return out

@@ -49,18 +49,29 @@ def reference_losses(tmp_path_factory, builtin_cache):
 
 # One launch per distinct code path (each launch costs ~25 s of process start on 2 cores): plain TP=2 GOAT is
 # inside the TP x DP runs, ZeRO-1/2 over DP inside TP x DP, SP inside the selective-checkpointing run (and
-# the gradient test below), full checkpointing inside the DP ZeRO-3 run.
+# the gradient test below), full checkpointing inside the DP ZeRO-3 run. model.compile (compiled blocks,
+# against the eager single-process run) inside the DP ZeRO-3 run (ZeRO-3's hooks outside the compiled
+# blocks) and the TP=2 + SP run (megatron's collectives between graphs): ~20 s of compiling each.
 LAYOUTS = [
     ("tp4", 4, ["parallel.tp=4"]),
     ("dp2-zero0", 2, ["parallel.zero_stage=0"]),
-    ("dp2-zero3-full-ckpt", 2, ["parallel.zero_stage=3", "train.activation_checkpointing=full"]),
+    (
+        "dp2-zero3-full-ckpt-compiled",
+        2,
+        ["parallel.zero_stage=3", "train.activation_checkpointing=full", "model.compile=true"],
+    ),
     *[(f"tp2xdp2-zero{z}", 4, ["parallel.tp=2", f"parallel.zero_stage={z}"]) for z in (1, 2, 3)],
     ("tp2-rope", 2, ["parallel.tp=2", "model.position=rope"]),
     ("tp2-alibi", 2, ["parallel.tp=2", "model.position=alibi"]),
     (
-        "tp2-sp-selective-ckpt",
+        "tp2-sp-selective-ckpt-compiled",
         2,
-        ["parallel.tp=2", "parallel.sp=true", "train.activation_checkpointing=selective"],
+        [
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.activation_checkpointing=selective",
+            "model.compile=true",
+        ],
     ),
 ]
 
