@@ -1,0 +1,149 @@
+"""The checks of a loaded ``Config`` that need no process group, each naming the key and the value at
+fault (the layout's checks against the world size live in ``goat_dist.distributed``)."""
+
+from __future__ import annotations
+
+from .sections import (
+    ACTIVATION_CHECKPOINTING,
+    ACTIVATIONS,
+    ATTENTION_BACKENDS,
+    DATA_RESUME,
+    DECAY_SHAPES,
+    GRAD_REDUCE_DTYPES,
+    LR_SCHEDULES,
+    NORMS,
+    ON_ERROR,
+    ON_NONFINITE,
+    POSITIONS,
+    PRECISIONS,
+    PRIOR_INITS,
+    SYNTHETIC_TASKS,
+    WINDOW_ORDERS,
+    Config,
+    ConfigError,
+    TrainConfig,
+)
+
+
+def _check_rampup(t: TrainConfig) -> None:
+    ramp = t.batch_rampup
+    if ramp is None:
+        return
+    shape = isinstance(ramp, list) and len(ramp) == 3 and all(type(v) is int and v > 0 for v in ramp)
+    if not shape:
+        raise ConfigError(
+            f"train.batch_rampup must be [start, increment, ramp_tokens] (positive integers), got {ramp!r}"
+        )
+    start, increment, _ = ramp
+    if start >= t.global_batch_size or (t.global_batch_size - start) % increment:
+        raise ConfigError(
+            f"train.batch_rampup={ramp}: the start ({start}) must be below train.global_batch_size="
+            f"{t.global_batch_size} and reach it in whole increments of {increment}"
+        )
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key '{key}' must be one of {allowed}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group (layout checks against the world size live in distributed)."""
+    m, t = cfg.model, cfg.train
+    _choice("model.position", m.position, POSITIONS)
+    _choice("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
+    if m.compile not in ("auto", True, False):
+        raise ConfigError(f"config key 'model.compile' must be auto, true or false, got {m.compile!r}")
+    _choice("model.activation", m.activation, ACTIVATIONS)
+    _choice("model.norm", m.norm, NORMS)
+    _choice("model.goat.prior_init", m.goat.prior_init, PRIOR_INITS)
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("parallel.grad_reduce_dtype", cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+    _choice("data.on_error", cfg.data.on_error, ON_ERROR)
+    _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
+    _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    _choice("train.data_resume", t.data_resume, DATA_RESUME)
+    _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(f"config key 'train.decay_fraction' must be in (0, 1], got {t.decay_fraction}")
+    _check_rampup(t)
+    plugins = t.callbacks if isinstance(t.callbacks, list) else [None]
+    if not all(isinstance(e, str) and ":" in e.strip(":") for e in plugins):
+        want = "a list of 'package.module:Name' strings"
+        raise ConfigError(f"train.callbacks must be {want}, got {t.callbacks!r}")
+    if not cfg.checkpoint.universal:
+        raise ConfigError(
+            "checkpoint.universal=false is no longer an option: a checkpoint is one layout-independent copy "
+            "of the state (each rank writes its own share), with no separate copy to turn off; remove the key"
+        )
+    for i, src in enumerate(cfg.data.sources or []):
+        if not isinstance(src, dict) or set(src) - {"path", "weight"} or "path" not in src:
+            raise ConfigError(
+                f"data.sources[{i}] must be a mapping with 'path' and optional 'weight', got {src!r}"
+            )
+        if not isinstance(src.get("weight", 1.0), (int, float)) or src.get("weight", 1.0) <= 0:
+            raise ConfigError(
+                f"data.sources[{i}].weight must be a positive number, got {src.get('weight')!r}"
+            )
+    _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    if cfg.data.synthetic is not None:
+        _choice("data.synthetic", cfg.data.synthetic, SYNTHETIC_TASKS)
+    for key in ("prior_layers", "prior_heads"):
+        chosen = getattr(cfg.log, key)
+        ints = isinstance(chosen, list) and all(type(i) is int for i in chosen)  # bool is not an int here
+        if chosen is not None and not ints:
+            raise ConfigError(f"config key 'log.{key}' must be a list of integers or null, got {chosen!r}")
+        limit = m.num_layers if key == "prior_layers" else m.num_kv_heads or m.num_heads
+        if chosen and not all(-limit <= i < limit for i in chosen):
+            what = "layers" if key == "prior_layers" else "KV heads"
+            raise ConfigError(f"config key 'log.{key}'={chosen}: the model has {limit} {what}")
+    if m.goat.train_len is not None and m.goat.train_len < 1:
+        raise ConfigError(f"model.goat.train_len must be >= 1 or null, got {m.goat.train_len}")
+    if cfg.log.prior_interval < 0 or cfg.log.peak_tflops < 0:
+        raise ConfigError("log.prior_interval and log.peak_tflops must be >= 0")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_heads % kv:
+        raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
+    head_dim = m.hidden_size // m.num_heads
+    from ..shapes import prior_lane_count
+
+    lanes = prior_lane_count(m.goat.pos_rank, m.goat.key_bias)
+    if m.position == "goat" and head_dim <= lanes:
+        raise ConfigError(
+            f"head dim {head_dim} leaves no content lanes after GOAT's {lanes} prior lanes "
+            f"(model.goat.pos_rank={m.goat.pos_rank})"
+        )
+    if m.position == "rope" and head_dim % 2:
+        raise ConfigError(f"rope needs an even head dim, got {head_dim}")
+    if m.position == "learned" and cfg.data.document_masking:
+        # document positions continue across windows, so a long document's positions pass seq_len
+        raise ConfigError(
+            "model.position=learned cannot be combined with data.document_masking=true: with document "
+            "masking a token's position is its offset in its document, which continues across windows and "
+            f"exceeds the learned table's model.seq_len={m.seq_len} entries for any document longer than a "
+            "window. Use model.position=goat, rope, alibi or none with document masking"
+        )
+    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0-3, got {cfg.parallel.zero_stage}")
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1")
+    positive = {
+        "train.max_steps": t.max_steps,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
+        "model.seq_len": m.seq_len,
+        "model.vocab_size": m.vocab_size,
+        "log.interval": cfg.log.interval,
+        "parallel.tp": cfg.parallel.tp,
+        "parallel.cp": cfg.parallel.cp,
+        "train.max_nonfinite_in_row": t.max_nonfinite_in_row,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+    timeout = cfg.parallel.timeout_minutes
+    if not timeout > 0:
+        raise ConfigError(f"config key 'parallel.timeout_minutes' must be > 0, got {timeout}")

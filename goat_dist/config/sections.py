@@ -1,0 +1,211 @@
+"""The configuration's sections as typed dataclasses, the allowed values of every choice key and
+``ConfigError``: what a run can be told, with its defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The allowed values of every choice key, defined once (validation, the CLI and the kernels use these).
+POSITIONS = ("goat", "rope", "alibi", "none", "learned")
+ATTENTION_BACKENDS = ("auto", "flash4", "flash", "sdpa", "eager")
+ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+PRIOR_INITS = ("seeded", "uniform")
+PRECISIONS = ("auto", "fp32", "bf16")
+ON_ERROR = ("raise", "skip")
+ON_NONFINITE = ("raise", "skip")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
+DATA_RESUME = ("check", "restart")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+EXPORT_DTYPES = ("fp32", "bf16")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+SYNTHETIC_TASKS = ("passkey",)
+WINDOW_ORDERS = ("keyed", "numpy")  # data/schedule.py's, without importing the data package here
+DEFAULT_VOCAB_SIZE = 4096
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names it."""
+
+
+@dataclass
+class GoatConfig:
+    pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes of each q/k head)
+    abs_rank: int = 4  # M: absolute Fourier features of the sink MLP
+    pos_base: float = 10_000.0
+    abs_base: float = 10_000.0
+    key_bias: bool = True  # the sink/recency term u(j): 3 lanes (bf16/fp16-exact split); 2R+3 in all
+    prior_init: str = "seeded"  # seeded (ALiBi slopes) | uniform (starts as standard attention)
+    # the sink features' length normaliser L_train (t / L_train, log1p(t) / log1p(L_train)); None: the
+    # run's model.seq_len, or the value of the checkpoint it resumes or starts from (train.init_from),
+    # so a context-extension stage keeps the first stage's. Saved resolved in every run's config.
+    train_len: int | None = None
+
+
+@dataclass
+class ModelConfig:
+    # the tokenizer's; padded internally for TP (padding gets no probability). Left out, null or auto in a
+    # config: the data set manifest's (load_config), DEFAULT_VOCAB_SIZE when there is no manifest
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    seq_len: int = 256  # training context; GOAT's L_train unless model.goat.train_len says otherwise
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: multi-head attention; fewer: grouped-query attention
+    ffn_hidden_size: int | None = None  # None: 4h for gelu, 8h/3 rounded to 64 for swiglu
+    activation: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    bias: bool = False
+    tie_embeddings: bool = True
+    position: str = "goat"  # goat | rope | alibi | none | learned
+    attention_backend: str = "auto"  # auto | flash4 | flash | sdpa | eager
+    rope_base: float = 10_000.0
+    init_std: float = 0.02
+    dropout: float = 0.0
+    vocab_pad_multiple: int = 128
+    # torch.compile each transformer block's training forward: auto (on CUDA only) | true | false
+    compile: bool | str = "auto"
+    goat: GoatConfig = field(default_factory=GoatConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size; data parallel = world / tp
+    sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    cp: int = 1  # context parallel: ranks sharing one sequence; data parallel = world / (tp x cp)
+    timeout_minutes: float = 10.0  # collective timeout of every group: a frozen or dead rank ends the job
+    # the dtype gradients are averaged over data-parallel ranks in under train.precision=bf16: fp32 (the
+    # mean's error stays below 1e-7 at any DP size, as Megatron reduces) | bf16 (half the bytes on the wire;
+    # its relative error grows with DP: 0.8 % at DP 64, 13 % at DP 512, docs/precision.md). fp32 also
+    # accumulates micro-batches in fp32 where DeepSpeed allows it (ZeRO-2/3). No effect under fp32
+    grad_reduce_dtype: str = "fp32"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    micro_batch_size: int = 8  # sequences per rank per forward pass
+    global_batch_size: int = 8  # sequences per optimizer step, fixed when DP changes
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay; optim.lr_at)
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays to min_lr
+    decay_shape: str = "linear"  # wsd's decay: linear | cosine | sqrt (1 - sqrt(progress))
+    # training length in tokens instead of steps: max_steps = ceil(max_tokens / (global batch x seq_len)),
+    # set when the config is loaded; 0: max_steps decides
+    max_tokens: int = 0
+    # [start, increment, ramp_tokens]: the global batch grows from `start` sequences by `increment` over the
+    # first ramp_tokens tokens to global_batch_size (Megatron's --rampup-batch-size; goat_dist/rampup.py)
+    batch_rampup: list | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: str = "none"  # none | full (whole blocks) | selective (attention core)
+    eval_interval: int = 100  # steps between validation passes; 0 disables
+    eval_batches: int = 4
+    resume: str = "auto"  # auto (latest checkpoint of the run dir, if any) | never | <checkpoint step dir>
+    data_resume: str = "check"  # check (refuse a changed data contract on resume) | restart (new stream)
+    on_nonfinite: str = "raise"  # raise | skip (drop the update; counted as nonfinite_skipped)
+    max_nonfinite_in_row: int = 5  # skip mode: raise after this many non-finite steps in a row
+    stop_at: str | None = None  # a wall-clock deadline (ISO 8601): save and exit 75 before it
+    time_limit_minutes: float = 0.0  # the same, as minutes from the start of this process; 0: off
+    # a new run (step 0, its own data, schedule and layout) from a checkpoint's weights: a step dir, its
+    # checkpoints/ dir or run dir (their latest). Ignored when the run resumes its own checkpoint.
+    init_from: str | None = None
+    init_optimizer: bool = False  # with init_from: also carry Adam's moments (and step count) over
+    # the user's own callbacks (trainer/callbacks/plugins.py), as "package.module:Name" or
+    # "package.module:Name:arg1:arg2" strings: each module is imported (from sys.path; PYTHONPATH for one of
+    # your own) and Name(*args) built, the args as strings, on every rank; it gets the trainer's events and
+    # may ask for a save or a stop. This runs code you chose, as a training script would.
+    callbacks: list = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    source: str = (
+        "builtin"  # builtin (the Python stdlib's docs and source) | a `goat-dist data` shard dir/URL
+    )
+    sources: list | None = None  # a mixture instead of `source`: [{path: ..., weight: ...}, ...]
+    cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
+    builtin_max_bytes: int = 8_000_000
+    num_workers: int = 0  # DataLoader workers per rank (batches are identical for any number)
+    shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
+    # order inside a shuffle block: keyed (a seeded bijection, O(1) per sample at any dp) | numpy (the
+    # order of streams begun before keyed existed; a resume of such a run keeps it by itself)
+    window_order: str = "keyed"
+    document_masking: bool = False  # positions restart per document and attention stays inside it
+    on_error: str = "raise"  # raise | skip (a corrupt shard's rest is masked, counted, logged)
+    synthetic: str | None = None  # None | passkey: a generated task instead of `source` (data/synthetic.py)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0: only at the end and on preemption signals
+    interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
+    keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
+    save_at_end: bool = True
+    # kept so that older config.yaml files load: every checkpoint is layout-independent now (one copy of the
+    # state, each rank writing its own share); ``false`` is refused, naming why
+    universal: bool = True
+    # the config key is ``checkpoint.async`` (a Python keyword, so the field has another name; both work):
+    # stage the save in host memory and write it in the background while training continues
+    async_save: bool = False
+
+
+# ``checkpoint.async`` as written in YAML and overrides: an alias of ``async_save``, visible to the loader
+# (which accepts the annotated names) but not a dataclass field (config.yaml records ``async_save``)
+CheckpointConfig.__annotations__["async"] = "bool"
+setattr(
+    CheckpointConfig,
+    "async",
+    property(lambda self: self.async_save, lambda self, value: setattr(self, "async_save", value)),
+)
+
+
+@dataclass
+class LogConfig:
+    interval: int = 10  # steps between progress lines / metrics.jsonl records
+    tensorboard: bool = True
+    prior_interval: int = 500  # steps between GOAT prior pictures in TensorBoard; 0 disables
+    prior_layers: list | None = None  # layer indices to picture; None: first, middle and last
+    prior_heads: list | None = None  # KV-head indices to picture; None: every head
+    attention_stats: bool = True  # sink / entropy / locality of attention per layer, at each eval
+    peak_tflops: float = 0.0  # peak FLOP/s per device for MFU, in TFLOP/s; 0: known GPU table or CPU probe
+
+
+@dataclass
+class RunConfig:
+    name: str = "goat-tiny"
+    dir: str | None = None  # default: runs/<name> under the working directory
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- validation ------------------------------------------------------------------------------------
