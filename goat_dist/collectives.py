@@ -95,13 +95,19 @@ def _placed(tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor if device == tensor.device else _move(tensor, device)
 
 
+def _through(call, out: torch.Tensor, *inputs: torch.Tensor, group=None, **kwargs) -> torch.Tensor:
+    """``call(out, *inputs, group=group, **kwargs)`` with every tensor where ``group`` can take it, and the
+    result written back into the caller's ``out``."""
+    moved = _placed(out, group)
+    call(moved, *(_placed(x, group) for x in inputs), group=group, **kwargs)
+    if moved is not out:
+        out.copy_(moved)
+    return out
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` (``op``: sum, max or min) and return it."""
-    moved = _placed(tensor, group)
-    dist.all_reduce(moved, op=_OPS[op], group=group)
-    if moved is not tensor:
-        tensor.copy_(moved)
-    return tensor
+    return _through(dist.all_reduce, tensor, group=group, op=_OPS[op])
 
 
 def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -114,29 +120,17 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """``tensor`` from global rank ``src``, in place on every rank."""
-    moved = _placed(tensor, group)
-    dist.broadcast(moved, src=src, group=group)
-    if moved is not tensor:
-        tensor.copy_(moved)
-    return tensor
+    return _through(dist.broadcast, tensor, group=group, src=src)
 
 
 def all_gather_into_tensor(out: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 into ``out`` (device tensors: activations)."""
-    moved_out, moved_in = _placed(out, group), _placed(tensor, group)
-    dist.all_gather_into_tensor(moved_out, moved_in, group=group)
-    if moved_out is not out:
-        out.copy_(moved_out)
-    return out
+    return _through(dist.all_gather_into_tensor, out, tensor, group=group)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group and keep this rank's dim-0 slice in ``out``."""
-    moved_out, moved_in = _placed(out, group), _placed(tensor, group)
-    dist.reduce_scatter_tensor(moved_out, moved_in, group=group)
-    if moved_out is not out:
-        out.copy_(moved_out)
-    return out
+    return _through(dist.reduce_scatter_tensor, out, tensor, group=group)
 
 
 def barrier(group=None) -> None:
