@@ -95,7 +95,7 @@ def mfu(model: str, out: Path, cache: str, steps: int) -> dict:
         "mfu": statistics.median(r["mfu"] for r in tail) if tail else None,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tail) if tail else None,
         "tflops_per_device": statistics.median(r["tflops_per_device"] for r in tail) if tail else None,
-        "mem_peak_gib": tail[-1].get("mem_peak_gib") if tail else None,
+        "mem_peak_gib": tail[-1].get("mem_peak_gib_max") if tail else None,  # the largest rank's
         "attention_backend": start.get("attention_backend"),
         "failed_log": log_tail(out / f"mfu_{model}.log", rc),
     }

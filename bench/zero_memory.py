@@ -48,7 +48,7 @@ def measure(stage: int, precision: str, args, workdir: Path) -> dict:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record.get("event") == "memory":
-            return {k: max(v) for k, v in record["bytes_per_rank"].items()}  # the larger rank
+            return {k: v["max"] for k, v in record["bytes"].items()}  # the larger rank
     sys.exit(f"stage {stage}: no memory record in {run_dir}/metrics.jsonl")
 
 

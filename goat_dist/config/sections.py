@@ -182,6 +182,7 @@ class LogConfig:
     prior_heads: list | None = None  # KV-head indices to picture; None: every head
     attention_stats: bool = True  # sink / entropy / locality of attention per layer, at each eval
     peak_tflops: float = 0.0  # peak FLOP/s per device for MFU, in TFLOP/s; 0: known GPU table or CPU probe
+    memory_per_rank: bool = False  # also every rank's memory (mem/rank_<r>/); default: min / mean / max only
 
 
 @dataclass

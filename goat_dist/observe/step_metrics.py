@@ -11,9 +11,11 @@ so the hot loop keeps its single control collective.
 * ``tflops_per_device`` / ``mfu``: ``tokens_per_s * flops_per_token / world`` against the device peak
   (``observe.flops``, ``observe.peak``); ``mfu`` is absent when the peak is unknown, capped at 1 (with
   ``mfu_raw``, ``mfu_unreliable``) when the peak is too low to be right.
-* memory per rank (lists indexed by global rank): allocated and peak bytes of the device allocator on CUDA;
-  on a CPU the device *is* the host, so allocated = resident set and peak = peak resident set; and every
-  rank's host RSS.
+* memory: allocated and peak bytes of the device allocator on CUDA (on a CPU the device *is* the host, so
+  allocated = resident set and peak = peak resident set) and host RSS, each as min / mean / max over ranks
+  and the rank of the max (``mem_peak_gib_max``, ``mem_peak_gib_max_rank``, ...): a fixed number of
+  values whatever the world size (512 ranks' lists would be 1,536 TensorBoard cards). The per-rank lists
+  (indexed by global rank) only with ``log.memory_per_rank``.
 * ``epoch``: passes over the data of the current stream, for the source seen most often (weights / windows
   per epoch); 0 for a generated (synthetic) source, which never repeats.
 """
@@ -48,6 +50,34 @@ def param_sumsq_share(model: torch.nn.Module, tp: int, dp: int, dp_rank: int) ->
         share = values.double().pow(2).sum() / replicas
         total = share if total is None else total + share.to(total.device)
     return 0.0 if total is None else float(total)
+
+
+MEMORY_KEYS = ("mem_allocated_gib", "mem_peak_gib", "host_rss_gib")  # the gathered columns 1-3, in order
+SUMMARY = ("min", "mean", "max", "max_rank")
+
+
+def summarise(key: str, values) -> dict:
+    """``key_min``, ``key_mean``, ``key_max`` and ``key_max_rank`` (the first rank holding the max) of one
+    value per rank: what to watch at any world size (which rank runs out of memory first)."""
+    v = torch.as_tensor(values, dtype=torch.float64).flatten()
+    return {
+        f"{key}_min": round(float(v.min()), 4),
+        f"{key}_mean": round(float(v.mean()), 4),
+        f"{key}_max": round(float(v.max()), 4),
+        f"{key}_max_rank": int(v.argmax()),  # the first maximal index on ties
+    }
+
+
+def memory_metrics(rows: torch.Tensor, per_rank: bool = False) -> dict:
+    """Memory metrics from the gathered [world, 3] bytes (allocated, peak, host RSS): summaries over
+    ranks, plus each rank's value in GiB when ``per_rank``."""
+    gib = rows.double() / GIB
+    out = {}
+    for col, key in enumerate(MEMORY_KEYS):
+        out.update(summarise(key, gib[:, col]))
+        if per_rank:
+            out[key] = [round(float(v), 4) for v in gib[:, col]]
+    return out
 
 
 def memory_bytes(device: torch.device) -> tuple[float, float, float]:
@@ -113,7 +143,8 @@ class StepMetrics:
         return max((samples * share / windows for share, windows in self.epoch_sizes), default=0.0)
 
     def collect(self, state, step_time_s: float, tokens_per_s: float) -> dict:
-        """Collective over the world (one all-gather of four numbers per rank)."""
+        """Collective over the world (one all-gather of four numbers per rank); what it returns does not
+        grow with the world unless ``log.memory_per_rank`` asks for every rank's memory."""
         lay = self.layout
         own = [param_sumsq_share(self.model, lay.tp, lay.dp, lay.dp_rank), *memory_bytes(lay.device)]
         # host tensors: on CUDA the default group is cpu:gloo,cuda:nccl (distributed.backend_for)
@@ -124,9 +155,7 @@ class StepMetrics:
             "params_norm": float(rows[:, 0].sum().sqrt()),
             "step_time_s": step_time_s,
             "tflops_per_device": tflops,
-            "mem_allocated_gib": [round(float(v) / GIB, 4) for v in rows[:, 1]],
-            "mem_peak_gib": [round(float(v) / GIB, 4) for v in rows[:, 2]],
-            "host_rss_gib": [round(float(v) / GIB, 4) for v in rows[:, 3]],
+            **memory_metrics(rows[:, 1:4], per_rank=bool(self.cfg.log.memory_per_rank)),
             "consumed_tokens": state.consumed_tokens,
             "epoch": self.epoch(state.consumed_samples - state.stream_start),
         }

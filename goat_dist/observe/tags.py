@@ -1,9 +1,10 @@
 """metrics.jsonl key -> TensorBoard tag, defined once: the TensorBoard logger writes through this table
 and the README's tag table is this table, so the two files can never disagree on what a value is.
 
-A tag with ``{i}`` belongs to a list-valued key: one tag per element (per rank for memory, per layer
-for the attention diagnostics). Keys not listed here (``data_fingerprint``, ``mfu_raw``) stay in
-metrics.jsonl only.
+A tag with ``{i}`` belongs to a list-valued key: one tag per element (per layer for the attention
+diagnostics; per rank for memory, present only with ``log.memory_per_rank``: by default memory is its
+min / mean / max over ranks and the rank of the max, so the tags per log step do not grow with the
+world). Keys not listed here (``data_fingerprint``, ``mfu_raw``) stay in metrics.jsonl only.
 
 TensorBoard groups cards by a tag's first component and sorts groups and cards by name: the group
 ``loss`` (training and validation loss side by side) sorts before every other (``mem``, ``perf``,
@@ -22,6 +23,16 @@ TRAIN_TAGS = {
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s",
+    **{
+        f"{key}_{stat}": f"mem/{name}/{stat}"
+        for key, name in (
+            ("mem_allocated_gib", "allocated_gib"),
+            ("mem_peak_gib", "peak_gib"),
+            ("host_rss_gib", "host_rss_gib"),
+        )
+        for stat in ("min", "mean", "max", "max_rank")
+    },
+    # log.memory_per_rank only
     "mem_allocated_gib": "mem/rank_{i}/allocated_gib",
     "mem_peak_gib": "mem/rank_{i}/peak_gib",
     "host_rss_gib": "mem/rank_{i}/host_rss_gib",

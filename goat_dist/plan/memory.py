@@ -238,7 +238,10 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     * ``logits``: the LM head's logits next to the fp32 ones the loss keeps: the fp32 copy that masks the
       padded vocabulary columns (``model.gpt.vocab_parallel_logits``; also the masked gradient in the
       backward), else the bf16 logits cast to fp32;
-    * ``recompute``: full activation checkpointing rebuilds one layer's activations during its backward.
+    * ``recompute``: full activation checkpointing rebuilds one layer's activations during its backward;
+    * ``params_norm``: a log step's parameter norm (``observe.step_metrics.param_sumsq_share``) casts one
+      parameter at a time to float64 and squares it: two float64 copies of the largest local tensor (its
+      ZeRO-3 partition at stage 3).
     """
     m, stage = cfg.model, cfg.parallel.zero_stage
     bf16 = cfg.train.precision == "bf16"
@@ -247,7 +250,7 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     inv = param_inventory(m, tp)
     n = sum(p.numel for p in inv)
     layer = sum(p.numel for p in inv if p.name.startswith("blocks.0."))
-    out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "recompute": 0}
+    out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "recompute": 0, "params_norm": 0}
     if stage == 3:
         out["zero3_gather"] = w * (2 * layer + int(0.9 * m.hidden_size**2))
     if stage == 0 and dp > 1:
@@ -261,6 +264,8 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     out["logits"] = logits_bytes * micro_batch * _seq_per_rank(cfg) * (padded // tp)
     if cfg.train.activation_checkpointing == "full":
         out["recompute"] = activation_bytes(cfg, micro_batch, recompute_layer=True)["per_layer"]
+    largest = max((p.numel for p in inv), default=0)
+    out["params_norm"] = 2 * 8 * (_ceil_div(largest, dp) if stage == 3 else largest)
     out["total"] = sum(out.values())
     return out
 

@@ -131,6 +131,12 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     gemm = (f["dense"] + recompute_dense + f["lm_head"]) * tokens / world
     attention = (f["attention"] + recompute_attention) * tokens / world
     compute_s = gemm / (peak * GEMM_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
+    # the forward is a third of the 6N FLOPs; the backward is the rest (recomputation included): the
+    # window in which ZeRO-2's per-micro-batch gradient reduce-scatter can hide
+    forward_s = ((f["dense"] + f["lm_head"]) / 3 * tokens / world) / (peak * GEMM_EFFICIENCY) + (
+        f["attention"] / 3 * tokens / world
+    ) / (peak * ATTENTION_EFFICIENCY)
+    backward_s = compute_s - forward_s
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) or 1
     full = _with(cfg, activation_checkpointing="none")
     moved = activation_bytes(full, t.micro_batch_size)["total"] * ELEMENTWISE_TRAFFIC * micro_batches
@@ -151,9 +157,12 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     cp_bw = nvlink if tp * cp <= gpus_per_node else network
     cp_per_layer = 4 + (2 if ac in ("full", "selective") else 0)
     cp_s = micro_batches * m.num_layers * cp_per_layer * _ring(kv_bytes, cp, cp_bw, all_reduce=False)
-    # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1-2: reduce-scatter + all-gather of the
-    # updated weights); ZeRO-3 gathers weights for every micro-batch's forward and backward and
-    # reduce-scatters gradients per micro-batch, prefetched (hidden behind compute where it can be).
+    # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1: reduce-scatter + all-gather of the
+    # updated weights); ZeRO-2 reduce-scatters every micro-batch's gradients into the partition as the
+    # backward produces them (overlap_comm: hidden behind that micro-batch's backward, the rest exposed)
+    # and all-gathers the updated weights once; ZeRO-3 gathers weights for every micro-batch's forward
+    # and backward and reduce-scatters gradients per micro-batch, prefetched (hidden behind compute
+    # where it can be).
     # Gradients are reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice). Gradients
     # travel in the reduce dtype (parallel.grad_reduce_dtype: fp32 unless bf16 is chosen), weights in `a`.
     replicas = dp * cp
@@ -165,8 +174,12 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     stage = cfg.parallel.zero_stage
     if stage == 0:
         dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
-    elif stage in (1, 2):
+    elif stage == 1:
         dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
+        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
+    elif stage == 2:
+        reduce_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
+        dp_s = micro_batches * max(0.0, reduce_s - backward_s / micro_batches)
         dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
     else:
         weights = 2 * _ring(weight_bytes, replicas, dp_bw, all_reduce=False)  # forward and backward

@@ -13,7 +13,8 @@ TB_RUN = ["train.max_steps=30", "log.interval=5", "log.tensorboard=true", "log.p
 SCALARS = [
     "loss/train", "train/lr", "train/grad_norm", "train/params_norm",
     "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu", "perf/step_time_s", "perf/prior_s",
-    "mem/rank_0/allocated_gib", "mem/rank_0/peak_gib", "mem/rank_0/host_rss_gib",
+    "mem/allocated_gib/max", "mem/peak_gib/min", "mem/peak_gib/mean", "mem/peak_gib/max",
+    "mem/peak_gib/max_rank", "mem/host_rss_gib/max",
     "train/tokens_seen", "train/epoch", "train/skipped_samples", "train/nonfinite_skipped_steps",
     "loss/val", "val/ppl",
     "val/attn/layer_0/sink_mass", "val/attn/layer_1/sink_mass",
@@ -74,7 +75,9 @@ def test_tensorboard_and_metrics_jsonl_agree(tb_run):
         assert sorted(tb) == [r["step"] for r in logged], tag
         for r in logged:
             assert tb[r["step"]] == pytest.approx(r[key], rel=1e-6), (tag, r["step"])
-    assert series(acc, "mem/rank_0/peak_gib")[30] == pytest.approx(logged[-1]["mem_peak_gib"][0], rel=1e-6)
+    assert series(acc, "mem/peak_gib/max")[30] == pytest.approx(logged[-1]["mem_peak_gib_max"], rel=1e-6)
+    assert "mem_peak_gib" not in logged[-1]  # per-rank lists only with log.memory_per_rank
+    assert not any(tag.startswith("mem/rank_") for tag in acc.Tags()["scalars"])
     evals = [r for r in recs if "val_loss" in r]
     assert [r["step"] for r in evals] == [15, 30]
     assert series(acc, "val/ppl")[30] == pytest.approx(evals[-1]["val_ppl"], rel=1e-6)
@@ -101,7 +104,8 @@ def test_values_make_sense(tb_run):
 
 def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_path, builtin_cache):
     """TP=2 under torchrun: the parameter norm is reduced correctly (TP1 and TP2 weights are identical),
-    every rank's memory is logged, the prior pictures gather both ranks' heads, one event file."""
+    every rank's memory is logged on request (log.memory_per_rank), the prior pictures gather both ranks'
+    heads, one event file."""
     run_dir = tmp_path / "tp2"
     overrides = [
         "parallel.tp=2",
@@ -112,6 +116,7 @@ def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_pat
         "train.eval_interval=3",
         "train.eval_batches=2",
         "log.prior_heads=[0,3]",
+        "log.memory_per_rank=true",
         f"data.cache_dir={builtin_cache}",
         f"run.dir={run_dir}",
     ]
@@ -122,6 +127,7 @@ def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_pat
             assert r["lr"] == pytest.approx(single[r["step"]]["lr"])
             assert r["params_norm"] == pytest.approx(single[r["step"]]["params_norm"], rel=1e-5)
         assert len(r["mem_peak_gib"]) == 2
+        assert r["mem_peak_gib_max"] == max(r["mem_peak_gib"])
     acc = events(run_dir)
     assert {"mem/rank_1/host_rss_gib", "val/attn/layer_1/sink_mass", "prior/layer_1/log_prior"} <= set(
         acc.Tags()["scalars"] + acc.Tags()["images"]

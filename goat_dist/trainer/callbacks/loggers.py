@@ -64,9 +64,16 @@ class ConsoleLogger(Callback):
         self.checkpoint = (state.step, info["path"])
         self._print(f"checkpoint step {state.step} -> {info['path']} ({info['save_s']:.1f} s)")
 
-    def on_memory(self, state, per_rank):
-        mib = [f"{b / 2**20:.1f}" for b in per_rank["total"]]
-        self._print(f"memory per rank (params + grads + optimizer state), MiB: {', '.join(mib)}")
+    def on_memory(self, state, memory):
+        """One line whatever the world: min / mean / max over ranks; every rank only on request."""
+        t = memory["bytes"]["total"]
+        line = (
+            f"memory (params + grads + optimizer state), MiB: min {t['min'] / 2**20:.1f}, "
+            f"mean {t['mean'] / 2**20:.1f}, max {t['max'] / 2**20:.1f} (rank {t['max_rank']})"
+        )
+        if "bytes_per_rank" in memory:
+            line += "; per rank: " + ", ".join(f"{b / 2**20:.1f}" for b in memory["bytes_per_rank"]["total"])
+        self._print(line)
 
     def on_eval(self, state, metrics):
         line = f"eval  {state.step:>6}/{self.max_steps} | val_loss {metrics['val_loss']:.4f}"
@@ -124,8 +131,8 @@ class JsonlLogger(Callback):
     def on_checkpoint(self, state, info):
         self._write({"event": "checkpoint", "step": state.step, **info})
 
-    def on_memory(self, state, per_rank):
-        self._write({"event": "memory", "step": state.step, "bytes_per_rank": per_rank})
+    def on_memory(self, state, memory):
+        self._write({"event": "memory", "step": state.step, **memory})
 
     def on_prior(self, state, pictures):
         self._write(
