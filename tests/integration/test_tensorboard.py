@@ -83,7 +83,7 @@ def test_tensorboard_and_metrics_jsonl_agree(tb_run):
     assert series(acc, "val/ppl")[30] == pytest.approx(evals[-1]["val_ppl"], rel=1e-6)
     assert series(acc, "val/attn/layer_1/entropy")[15] == pytest.approx(evals[0]["attn_entropy"][1], rel=1e-5)
     priors = [r for r in recs if r.get("event") == "prior"]
-    assert [r["step"] for r in priors] == [10, 20, 30] and all(r["seconds"] > 0 for r in priors)
+    assert [r["step"] for r in priors] == [12, 24, 30] and all(r["seconds"] > 0 for r in priors)
 
 
 def test_values_make_sense(tb_run):
