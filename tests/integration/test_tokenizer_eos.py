@@ -247,7 +247,7 @@ def test_vocab_size_defaults_to_the_manifest(llama_dataset, tmp_path):
     small = load_config(None, [f"data.source={llama_dataset}", f"model.vocab_size={vocab - 1}"])
     assert small.model.vocab_size == vocab - 1
     with pytest.raises(ConfigError, match=f"vocab_size {vocab}, larger than model.vocab_size={vocab - 1}"):
-        data_sources(small, SimpleNamespace(is_main=True))
+        data_sources(small, SimpleNamespace(is_main=True, local_rank=0))
     with pytest.raises(ConfigError, match="model.vocab_size"):
         load_config(None, ["model.vocab_size=0"])
 
