@@ -32,9 +32,23 @@ class _Group:
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-def test_split_is_megatrons_and_the_gather_restores_the_row(world1, cp):
-    from megatron.core.utils import get_batch_on_this_cp_rank
+def test_split_is_megatrons_and_the_gather_restores_the_row(world1, cp, monkeypatch):
+    import megatron.core.utils as mcu
 
+    # megatron-core 0.19 moved the plain 2·cp-chunk split into a helper (its public function now defaults
+    # to per-document balancing through TransformerEngine) that asks torch.distributed for the group's
+    # size and rank: the stand-in group answers through it
+    get_batch_on_this_cp_rank = getattr(mcu, "_get_batch_on_this_cp_rank_per_sequence_balancing", None)
+    if get_batch_on_this_cp_rank is None:
+        get_batch_on_this_cp_rank = mcu.get_batch_on_this_cp_rank
+    else:
+        size, rank_of = torch.distributed.get_world_size, torch.distributed.get_rank
+        monkeypatch.setattr(
+            torch.distributed, "get_world_size", lambda g=None: g.size() if isinstance(g, _Group) else size(g)
+        )
+        monkeypatch.setattr(
+            torch.distributed, "get_rank", lambda g=None: g.rank() if isinstance(g, _Group) else rank_of(g)
+        )
     x = torch.arange(B * L * 3).view(B, L, 3)
     parts = []
     for rank in range(cp):
