@@ -29,14 +29,16 @@ def times(stage: int, key: str, precision: str = "bf16") -> dict:
 
 
 def test_dp_time_doubles_from_bf16_to_fp32_reduction_all_else_fixed():
-    """ZeRO-0 moves only gradients: twice the bytes, twice the time. ZeRO-1/2 also all-gather the updated
-    bf16 weights, which do not change: 4 + 2 bytes per element against 2 + 2."""
+    """ZeRO-0 moves only gradients: twice the bytes, twice the time. ZeRO-1 also all-gathers the updated
+    bf16 weights, which do not change: 4 + 2 bytes per element against 2 + 2. ZeRO-2's per-micro-batch
+    reduce-scatter hides behind the backward as far as it lasts, so its time never shrinks."""
     fp32, bf16 = times(0, "fp32"), times(0, "bf16")
     assert fp32["dp_comm_s"] == pytest.approx(2 * bf16["dp_comm_s"], rel=1e-12) and bf16["dp_comm_s"] > 0
     for key in ("compute_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "optimizer_s"):
         assert fp32[key] == bf16[key], key
-    for stage in (1, 2):
-        assert times(stage, "fp32")["dp_comm_s"] == pytest.approx(1.5 * times(stage, "bf16")["dp_comm_s"])
+    assert times(1, "fp32")["dp_comm_s"] == pytest.approx(1.5 * times(1, "bf16")["dp_comm_s"])
+    # ZeRO-2 reduce-scatters every micro-batch behind its backward (here wholly hidden): never less
+    assert times(2, "fp32")["dp_comm_s"] >= times(2, "bf16")["dp_comm_s"] > 0
     assert times(0, "fp32", "fp32")["dp_comm_s"] == times(0, "bf16", "fp32")["dp_comm_s"]  # fp32 runs: fp32
     assert times(0, "fp32", "fp32")["dp_comm_s"] == fp32["dp_comm_s"]
 
