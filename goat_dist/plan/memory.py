@@ -79,18 +79,7 @@ def partition_overlap(sizes: list[int], dp: int) -> list[int]:
     ZeRO keeps a rank's gradient partition as the gradients of every parameter that overlaps its
     range, whole (the partition's gradient buffer is sized by those parameters' full element counts), so
     a rank whose range cuts a large parameter (the embedding) holds all of it."""
-    part = _flat_partition(sum(sizes), dp)
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    out = []
-    for r in range(dp):
-        lo, hi = r * part, (r + 1) * part
-        first = bisect.bisect_right(starts, lo) - 1  # the parameter holding element lo
-        last = bisect.bisect_left(starts, hi) - 1  # the last parameter starting before hi
-        first, last = max(first, 0), min(last, len(sizes) - 1)
-        out.append(starts[last + 1] - starts[first] if first < len(sizes) and last >= first else 0)
-    return out
+    return [sum(sizes[i] for i in touched) for touched in _touching(sizes, dp)]
 
 
 # ZeRO stages at which ``engine.build.deepspeed_config`` accumulates bf16 runs' gradients in fp32
