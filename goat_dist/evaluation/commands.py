@@ -88,6 +88,7 @@ def cmd_ppl(args) -> int:
         ]
         if not report["tokenizer_check"].startswith("same"):
             lines.append(f"note: tokenizer {report['tokenizer_check']}")
+        session.release_model()
         if session.layout.is_main:
             *written, note = write_ppl(report, session.out_dir(args.out))
             lines += [f"wrote {p}" for p in written] + ([note] if note else [])
@@ -109,6 +110,7 @@ def cmd_passkey(args) -> int:
         ]
         if not report["trained_on_passkey"]:
             lines.append("note: this checkpoint was not trained with data.synthetic=passkey")
+        session.release_model()
         if session.layout.is_main:
             lines += [f"wrote {p}" for p in write_passkey(report, session.out_dir(args.out))]
         return lines

@@ -30,6 +30,14 @@ class Session:
         self.autocast = autocast_for(precision, self.device)
         torch.set_grad_enabled(False)
 
+    def release_model(self) -> None:
+        """Drop the model once its numbers are computed, so that writing the report (rank 0 draws a figure)
+        does not add to the peak host memory the weights set: a rank holds its TP slice, then the report."""
+        import gc
+
+        self.loaded.model = self.model = None
+        gc.collect()
+
     def describe(self) -> dict:
         from ..observe.flops import non_embedding_params
 
