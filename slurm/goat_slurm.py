@@ -490,6 +490,36 @@ def _job_id(args) -> str:
     return args.job_id or os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
 
 
+def own_steps(step_ids: list[str], environ) -> list[str]:
+    """The steps (``<job>.<n>``, not ``batch``/``extern``) that belong to this job among ``squeue -s -j``'s.
+
+    Slurm gives the first-started element of a job array the array's own id, and ``squeue -j <that id>``
+    lists the steps of every element (``6_0.0``, ``6_1.1``, ...): a job script that ended every step it
+    listed would kill its sibling elements' tasks. An element's own steps are ``<its job id>.<n>`` or
+    ``<array id>_<its index>.<n>``."""
+    prefixes = [f"{environ.get('SLURM_JOB_ID', '')}."]
+    array_id, index = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_id and index:
+        prefixes.append(f"{array_id}_{index}.")
+    return [s for s in step_ids if s.startswith(tuple(prefixes)) and re.fullmatch(r"[0-9_]+\.[0-9]+", s)]
+
+
+def cmd_steps(args: argparse.Namespace) -> int:
+    """Print this job's running steps, one per line (none when squeue cannot be asked)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return 0
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    for step in own_steps(out.split(), os.environ):
+        print(step)
+    return 0
+
+
 def cmd_begin(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -521,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("command", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_exec)
     sub.add_parser("port", help="this job's rendezvous port").set_defaults(func=cmd_port)
+    sub.add_parser("steps", help="this job's running steps (not its array siblings')").set_defaults(
+        func=cmd_steps
+    )
     r = sub.add_parser("run-dir", help="the absolute run dir of a config + overrides")
     r.add_argument("config")
     r.add_argument("overrides", nargs="*")

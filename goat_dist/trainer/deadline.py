@@ -4,8 +4,9 @@ A run can have up to three wall-clock limits; the earliest counts:
 
 * the Slurm job's end time when running under Slurm: ``SLURM_JOB_END_TIME`` (Slurm 23.02+ sets it;
   ``slurm/train.sbatch`` exports it on older versions), else asked once from Slurm with
-  ``squeue -h -j $SLURM_JOB_ID -o %e`` (``SLURM_TIME_FORMAT=%s``: epoch seconds, no time-zone guessing),
-  else ``scontrol show job``. Only the first task of each node asks (``SLURM_LOCALID`` 0), so a big job
+  ``squeue -h -j $SLURM_JOB_ID -o "%A %e"`` (``SLURM_TIME_FORMAT=%s``: epoch seconds, no time-zone
+  guessing; the line whose job id is ours, as ``-j`` of an array's id lists every element), else
+  ``scontrol show job``. Only the first task of each node asks (``SLURM_LOCALID`` 0), so a big job
   does not flood the controller; the trainer folds ``due()`` over all ranks with a max anyway.
 * ``train.stop_at``: an ISO 8601 time (``2026-12-01T06:00``, ``...Z`` or ``...+02:00``; no zone = local);
 * ``train.time_limit_minutes``: minutes from the start of this process (0: off).
@@ -81,8 +82,8 @@ def _slurm_end_time(environ, run=subprocess.run) -> float | None:
         return None
     env = {**environ, "SLURM_TIME_FORMAT": "%s"}
     queries = (
-        (["squeue", "-h", "-j", job, "-o", "%e"], lambda out: out.strip()),
-        (["scontrol", "show", "job", "-o", job], lambda out: _field(out, "EndTime")),
+        (["squeue", "-h", "-j", job, "-o", "%A %e"], lambda out: _own_line(out, job)),
+        (["scontrol", "show", "job", "-o", job], lambda out: _field(_own_record(out, job), "EndTime")),
     )
     for cmd, pick in queries:
         try:
@@ -99,6 +100,21 @@ def _slurm_end_time(environ, run=subprocess.run) -> float | None:
         except ValueError:
             continue
     return None
+
+
+def _own_line(out: str, job: str) -> str | None:
+    """squeue's ``%A %e`` line of this job. The id of an array's first-started element is also the array's
+    id, and ``-j`` of it lists every element: the one whose own job id (``%A``) is ours is this job."""
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == job:
+            return fields[1]
+    return None
+
+
+def _own_record(out: str, job: str) -> str:
+    """scontrol's one-line record of this job (not another element of the array with the same id)."""
+    return next((line for line in out.splitlines() if _field(line, "JobId") == job), "")
 
 
 def _field(record: str, key: str) -> str | None:

@@ -94,11 +94,11 @@ class FakeSlurm:
 
 
 def test_asks_squeue_in_epoch_seconds():
-    fake = FakeSlurm(squeue=f"{int(NOW + 3600)}\n")
+    fake = FakeSlurm(squeue=f"123 {int(NOW + 3600)}\n")
     d = Deadline.from_config(train(), environ={"SLURM_JOB_ID": "123"}, now=lambda: NOW, run=fake)
     assert d.end == NOW + 3600 and d.source == "Slurm job 123 end time"
     cmd, kwargs = fake.calls[0]
-    assert cmd == ["squeue", "-h", "-j", "123", "-o", "%e"]  # a list: no shell
+    assert cmd == ["squeue", "-h", "-j", "123", "-o", "%A %e"]  # a list: no shell
     assert kwargs["env"]["SLURM_TIME_FORMAT"] == "%s" and kwargs["timeout"] <= 30
 
 
@@ -110,13 +110,31 @@ def test_falls_back_to_scontrol():
     assert [c[0][0] for c in fake.calls] == ["squeue", "scontrol"]
 
 
+def test_an_array_element_whose_id_is_the_arrays_reads_its_own_line():
+    """Job 6 is element 2 of array 6 (Slurm gives the first-started element the array's id): ``squeue -j 6``
+    and ``scontrol show job 6`` list all three elements, each with its own end time."""
+    lines = f"9 {int(NOW + 100)}\n10 {int(NOW + 200)}\n6 {int(NOW + 300)}\n"
+    fake = FakeSlurm(squeue=lines)
+    d = Deadline.from_config(train(), environ={"SLURM_JOB_ID": "6"}, now=lambda: NOW, run=fake)
+    assert d.end == NOW + 300
+    records = "\n".join(
+        f"JobId={j} ArrayJobId=6 ArrayTaskId={t} JobState=RUNNING EndTime={int(NOW + e)}"
+        for j, t, e in (("9", 0, 100), ("10", 1, 200), ("6", 2, 300))
+    )
+    fake = FakeSlurm(squeue=subprocess.TimeoutExpired("squeue", 10), scontrol=records)
+    d = Deadline.from_config(train(), environ={"SLURM_JOB_ID": "6"}, now=lambda: NOW, run=fake)
+    assert d.end == NOW + 300
+
+
 def test_iso_end_time_is_parsed_too():
-    fake = FakeSlurm(squeue="2027-01-15T09:00:00\n")
+    fake = FakeSlurm(squeue="5 2027-01-15T09:00:00\n")
     d = Deadline.from_config(train(), environ={"SLURM_JOB_ID": "5"}, now=lambda: NOW, run=fake)
     assert d.end == datetime(2027, 1, 15, 9).timestamp()
 
 
-@pytest.mark.parametrize("answer", ["N/A\n", "Unknown\n", "", None, FileNotFoundError("squeue")])
+@pytest.mark.parametrize(
+    "answer", ["5 N/A\n", "5 Unknown\n", "", "7 123\n", None, FileNotFoundError("squeue")]
+)
 def test_no_end_time_means_no_slurm_deadline(answer):
     fake = FakeSlurm(squeue=answer, scontrol=None)
     assert Deadline.from_config(train(), environ={"SLURM_JOB_ID": "5"}, now=lambda: NOW, run=fake) is None

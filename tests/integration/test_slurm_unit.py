@@ -518,3 +518,14 @@ def test_train_sbatch_raises_the_open_files_limit_and_says_so(tmp_path):
     out = proc.stdout + proc.stderr
     assert "open files limit raised from 256 to 4096" in out, out
     assert proc.returncode == 2, out
+
+
+def test_own_steps_leave_array_siblings_alone():
+    """Element 2 of array 6 got the array's id (job 6): ``squeue -s -j 6`` lists every element's steps, and
+    ending all of them killed element 0's preflight and element 1's training. Only its own are ended."""
+    listed = ["6_0.0", "6_1.1", "6_2.1", "6_2.batch", "6_2.extern", "6.0"]
+    env = {"SLURM_JOB_ID": "6", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "2"}
+    assert gs.own_steps(listed, env) == ["6_2.1", "6.0"]
+    env = {"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "0"}
+    assert gs.own_steps(listed + ["9.3"], env) == ["6_0.0", "9.3"]
+    assert gs.own_steps(["12.0", "12.batch", "120.0", "1.0"], {"SLURM_JOB_ID": "12"}) == ["12.0"]
