@@ -226,8 +226,8 @@ def test_two_rank_job_runs_to_completion(cluster, plain):
 
 def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache):
     """--time=1 on a run far longer than any attempt can hold (10^6 steps): the trainer saves before the
-    limit by itself (Slurm's own USR1 moved to 1 s before the end, which it checks only every ~30 s: in
-    effect never), the job requeues itself and the next attempt resumes from that checkpoint and trains on;
+    limit by itself (Slurm's own USR1 moved to 1 s before the end, which it checks only every ~30 s: it
+    may arrive once the save is done, never before it on time), the job requeues itself and the next attempt resumes from that checkpoint and trains on;
     then this test ends the job. Nothing here depends on how fast the machine trains. Never TIMEOUT."""
     run_dir = jobdir / "timelimit"
     args = ["--ntasks=1", "--time=1", "--signal=B:USR1@1", "slurm/train.sbatch", CONFIG]
@@ -259,7 +259,9 @@ def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache):
     assert int(resumed.group(2)) == first["step"]
     steps = per_step(run_dir)
     assert sorted(steps) == list(range(1, max(steps) + 1))  # no step lost or repeated across the requeue
-    assert "DUE TO TIME LIMIT" not in text and "got SIGUSR1" not in text
+    # Slurm sends the USR1 within its ~30 s check period, so it may come (too late) once the trainer has
+    # already saved for its own deadline: the first attempt's reason above is what shows who stopped it.
+    assert "DUE TO TIME LIMIT" not in text
     print(
         f"\ntime limit: first attempt saved at step {first['step']} "
         f"{epoch(first_end) - first['ended']:.0f}s before the limit; the second trained to {max(steps)}"
