@@ -6,8 +6,13 @@
 2. Loader tokens/s at seq_len 2048, micro-batch 8, 2 DataLoader workers, vs the ~150k tokens/s a
    125M model trains at on one H100 (target >= 5M tokens/s per process).
 3. One rank of a data-parallel job (rank 0 of dp = 1, 8, 64, 512, simulated in this process, no
-   workers): tokens/s and bytes read per delivered token (this process's read syscalls, /proc/self/io
-   rchar). Targets: tokens/s at dp=512 >= 0.8x dp=1; bytes read <= 1.25x the delivered tokens' bytes.
+   workers) on the same corpus cut into ~40 shards (more than the 32 a process kept open before the
+   whole-epoch order), for data.window_order=epoch (the default: a permutation of the whole epoch, so
+   each sample may come from another shard) beside keyed (the block order of streams begun before it):
+   tokens/s and bytes read per delivered token's bytes (this process's read syscalls, /proc/self/io
+   rchar, counted after the first batch, so the later shard openings are in it). Targets: tokens/s at
+   dp=512 >= 0.8x dp=1; bytes read <= 1.25x the delivered tokens' bytes. Then the time to the first
+   batch of a fresh loader at step 0 and at a late step (a resume), which must be alike.
 Text: the builtin corpus (Python stdlib docstrings and sources). Last lines: the per-rank ratios, then
 the prepare ratio.
 
@@ -67,7 +72,9 @@ def raw_encode_tokens_per_s(docs: list[str], tokenizer_path: Path, workers: int)
     return pool_rate, n / (time.perf_counter() - t0)
 
 
-def prepare_tokens_per_s(docs: list[str], tokenizer_path: Path, out: Path, workers: int) -> float:
+def prepare_tokens_per_s(
+    docs: list[str], tokenizer_path: Path, out: Path, workers: int, shard_mb: float = 16
+) -> float:
     src = out.parent / "corpus.jsonl"
     with open(src, "w", encoding="utf-8") as f:
         for d in docs:
@@ -76,7 +83,7 @@ def prepare_tokens_per_s(docs: list[str], tokenizer_path: Path, out: Path, worke
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(
         ["data", "prepare", "--input", str(src), "--tokenizer", str(tokenizer_path), "--out", str(out)]
-        + ["--workers", str(workers), "--shard-size", "16", "--no-progress"]
+        + ["--workers", str(workers), "--shard-size", str(shard_mb), "--no-progress"]
     )
     t0 = time.perf_counter()
     if args.func(args) != 0:
@@ -110,8 +117,12 @@ def _io(key: str = "rchar") -> int:
         return int(next(line for line in f if line.startswith(key + ":")).split()[1])
 
 
+ORDERS = ("epoch", "keyed")  # the default, and the block order of streams begun before it
+RANK_SHARDS = 40  # the per-rank corpus is cut into about this many shards
+
+
 def per_rank(
-    dataset: Path, dp: int, seq_len: int, micro_batch: int, batches: int, order: str = "keyed"
+    dataset: Path, dp: int, seq_len: int, micro_batch: int, batches: int, order: str = "epoch"
 ) -> tuple[float, float]:
     """(tokens/s, bytes read per delivered token) of rank 0 of a dp-way job, in this process."""
     from goat_dist.data.loader import build_train_loader
@@ -130,22 +141,42 @@ def per_rank(
     return tokens / seconds, read / tokens
 
 
+def first_batch_seconds(dataset: Path, dp: int, start_sample: int, order: str) -> float:
+    """Seconds from building rank 0's loader to holding its first batch (seq 2048, micro-batch 8)."""
+    from goat_dist.data.loader import build_train_loader
+
+    t0 = time.perf_counter()
+    loader = build_train_loader(
+        [str(dataset)], 2048, 8, 0, dp, seed=0, start_sample=start_sample, window_order=order
+    )
+    it = iter(loader)
+    next(it)
+    seconds = time.perf_counter() - t0
+    del it
+    return seconds
+
+
 def ranks_table(dataset: Path, batches: int, repeats: int) -> None:
-    """Per-rank rows for data.window_order=keyed (the default) and numpy (whole-block shuffles)."""
+    """Per-rank rows, whole-epoch order (the default) beside the block order; then resume start-up."""
     item = 2  # uint16 ids
     sizes = (1, 8, 64, 512)
+    shards = len(read_manifest(dataset)["splits"]["train"])
     best: dict[tuple[str, int], tuple[float, float]] = {}
     for _ in range(repeats):  # interleaved: a busy spell hits every row alike
-        for order in ("keyed", "numpy"):
-            for dp in sizes:
+        for dp in sizes:
+            for order in ORDERS:
                 rate, per_token = per_rank(dataset, dp, 2048, 8, batches, order)
                 old = best.get((order, dp), (0.0, per_token))
                 best[order, dp] = (max(old[0], rate), per_token)
-    print(f"\none rank of dp (seq 2048, micro-batch 8, no workers)     {'tokens/s':>14}{'B read/token':>14}")
-    for order in ("keyed", "numpy"):
-        for dp in sizes:
-            rate, per_token = best[order, dp]
-            print(f"  window_order={order:<6} dp={dp:<30}{rate:>14,.0f}{per_token:>14.3f}")
+    print(
+        f"\none rank of dp: seq 2048, micro-batch 8, no workers, {batches} batches, {shards} shards; "
+        "B read/token = bytes read / delivered token bytes"
+    )
+    head = "".join(f"{f'{o} tokens/s':>18}{f'{o} B read/token':>20}" for o in ORDERS)
+    print(f"  {'dp':<6}{head}")
+    for dp in sizes:
+        cells = "".join(f"{best[o, dp][0]:>18,.0f}{best[o, dp][1] / item:>20.3f}" for o in ORDERS)
+        print(f"  {dp:<6}{cells}")
     # a tensor- or context-parallel peer reads the windows its replica's first rank just read
     before = _io("read_bytes")
     rate, per_token = per_rank(dataset, 8, 2048, 8, batches)
@@ -153,12 +184,29 @@ def ranks_table(dataset: Path, batches: int, repeats: int) -> None:
         f"  a TP/CP peer re-reading dp=8 rank 0's windows: {rate:,.0f} tokens/s, "
         f"{_io('read_bytes') - before:,} bytes fetched from storage (the node's page cache serves it)"
     )
-    for order in ("keyed", "numpy"):
+    late = 512 * 8 * 10**6  # step 1,000,000 of a 512-way job at micro-batch 8: ~1,000 epochs in
+    print(f"\ntime to the first batch of rank 0 of dp=512 (best of {repeats}), fresh loader:")
+    print(f"  {'window_order':<14}{'at step 0':>12}{'resumed at step 1e6':>22}{'ratio':>8}")
+    for order in ORDERS:
+        t_start = min(first_batch_seconds(dataset, 512, 0, order) for _ in range(repeats))
+        t_late = min(first_batch_seconds(dataset, 512, late, order) for _ in range(repeats))
+        print(f"  {order:<14}{t_start * 1e3:>10.1f}ms{t_late * 1e3:>20.1f}ms{t_late / t_start:>8.2f}")
+    for order in ORDERS:
         print(
             f"per rank, window_order={order}: tokens/s dp=512 / dp=1 = "
             f"{best[order, 512][0] / best[order, 1][0]:.2f} (target >= 0.8); bytes read / delivered token "
-            f"bytes at dp=512 = {best[order, 512][1] / item:.3f} (target <= 1.25)"
+            f"bytes, max over dp = {max(best[order, dp][1] for dp in sizes) / item:.3f} (target <= 1.25)"
         )
+
+
+def rank_corpus(docs: list[str], tokenizer_path: Path, out: Path, workers: int, sized: Path | None) -> Path:
+    """The corpus again, cut into about RANK_SHARDS shards (the size from `sized`, a 16 MB-shard pass)."""
+    if sized is None:
+        sized = out.parent / (out.name + "-sizing")
+        prepare_tokens_per_s(docs, tokenizer_path, sized, workers)
+    total = sum(e["bytes"] for e in read_manifest(sized)["splits"]["train"])
+    prepare_tokens_per_s(docs, tokenizer_path, out, workers, shard_mb=total / RANK_SHARDS / 1e6)
+    return out
 
 
 def main() -> None:
@@ -178,8 +226,7 @@ def main() -> None:
         mb = sum(len(d.encode()) for d in docs) / 1e6
         print(f"corpus: {len(docs)} stdlib documents, {mb:.1f} MB; byte-level BPE, vocab 4096")
         if a.ranks_only:
-            prepare_tokens_per_s(docs, tok_path, tmp / "ds0", a.workers)
-            ranks_table(tmp / "ds0", 300, a.repeats)
+            ranks_table(rank_corpus(docs, tok_path, tmp / "ranks", a.workers, None), 300, a.repeats)
             return
         pool_rate = threads_rate = prep = loader = 0.0
         for r in range(a.repeats):  # interleaved, so a busy spell on a shared machine hits all alike
@@ -187,7 +234,7 @@ def main() -> None:
             pool_rate, threads_rate = max(pool_rate, pool), max(threads_rate, threads)
             prep = max(prep, prepare_tokens_per_s(docs, tok_path, tmp / f"ds{r}", a.workers))
             loader = max(loader, loader_tokens_per_s(tmp / "ds0", 2048, 8, 2, a.batches))
-        ranks_table(tmp / "ds0", 300, a.repeats)
+        ranks_table(rank_corpus(docs, tok_path, tmp / "ranks", a.workers, tmp / "ds0"), 300, a.repeats)
     raw = max(pool_rate, threads_rate)
 
     w = a.workers

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .config import TrainConfig
+from .config.sections import PRIOR_WEIGHT_DECAY
 
 
 def is_prior(name: str) -> bool:
@@ -22,25 +23,87 @@ def no_decay(name: str, param: nn.Parameter, shape=None) -> bool:
     return len(param.shape if shape is None else shape) < 2 or is_prior(name) or "norm" in name
 
 
-def param_groups(model: nn.Module, weight_decay: float, shape_of=None) -> list[dict]:
-    """Three groups: decayed weights, undecayed weights, and the GOAT prior (undecayed).
+# The prior parameters the authors' C4 script decays (see ``decays``), by our attribute names
+C4_DECAYED_PRIOR = ("sink_gain", "sink_bump", "recency_slope_raw")
+# (prior?, decayed?) -> optimizer group name, in the order the groups are built
+GROUP_OF = {
+    (False, True): "decay",
+    (False, False): "no_decay",
+    (True, False): "prior",
+    (True, True): "prior_decay",
+}
+DECAYED_GROUPS = tuple(group for (_, decayed), group in GROUP_OF.items() if decayed)
 
-    The prior has a group of its own because each group must hold one dtype: DeepSpeed flattens a group
+
+def decays(name: str, param: nn.Parameter, prior_weight_decay: str = "none", shape=None) -> bool:
+    """Whether AdamW decays parameter ``name`` under ``train.prior_weight_decay``.
+
+    * ``none`` (default): the paper's "no weight decay on prior parameters"; matrices decay, norms,
+      biases and every prior parameter do not (``no_decay``).
+    * ``c4``: the authors' ``train_c4.py``, which decays every parameter whose name lacks ``.bias``,
+      ``ln``, ``norm``, ``lambda_`` and ``key_bias``. Their names mapped to ours (``goat.attention``
+      0.1.1 vs ``goat/prior.py``; the rest of the model is decayed alike, ours by shape, theirs by name):
+
+      ==============================  ==========================================  =========
+      reference (theirs)              goat-dist (ours, ``blocks.N.attn.prior.``)  decayed
+      ==============================  ==========================================  =========
+      ``lambda_sym``, ``lambda_asym`` ``lambda_sym``, ``lambda_asym`` (a, b)      no
+      ``key_bias.fc{1,2}.weight``     ``sink_mlp.fc{1,2}.weight``                 no
+      ``key_bias.fc{1,2}.bias``       ``sink_mlp.fc{1,2}.bias``                   no
+      ``sink_gain``                   ``sink_gain``                               **yes**
+      ``sink_bump``                   ``sink_bump``                               **yes**
+      ``recency_slope_raw``           ``recency_slope_raw``                       **yes**
+      ``prior_gate_*``                (none: no prior gate)                       (unused)
+      ``in_proj``/``out_proj.weight`` ``attn.qkv``/``attn.proj.weight``           yes
+      ``*.bias``, ``ln*``, ``*norm*`` biases, ``*_norm.*``, ``final_norm.*``      no
+      ==============================  ==========================================  =========
+
+      So ``c4`` = ``none`` plus ``C4_DECAYED_PRIOR``. Why it matters: decay pulls the raw values to 0,
+      i.e. the sink gain toward 0 (the sink MLP off), the token-0 bump toward 0, and the recency slope
+      toward softplus(0) = ln 2 = 0.69 (12 heads start at ALiBi's 0.0039 .. 0.71: all but one are flatter).
+    * ``all``: every parameter, norms, biases and the whole prior included, as the authors'
+      passkey/NIAH script does (there at ``weight_decay`` 0.01).
+    """
+    if prior_weight_decay == "all":
+        return True
+    if is_prior(name):
+        return prior_weight_decay == "c4" and name.rsplit(".", 1)[-1] in C4_DECAYED_PRIOR
+    return not no_decay(name, param, shape)
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, shape_of=None, prior_weight_decay: str = "none"
+) -> list[dict]:
+    """AdamW's groups: ``decay`` and ``no_decay`` (the model's weights), ``prior`` and ``prior_decay``
+    (GOAT's), each decayed at ``weight_decay`` or not as its name says; which parameter decays is
+    ``decays`` under ``prior_weight_decay`` (``train.prior_weight_decay``).
+
+    The prior has groups of its own because each group must hold one dtype: DeepSpeed flattens a group
     into one buffer (ZeRO-1/2) and in bf16 mode the prior stays fp32 while everything else is bf16
-    (``engine.patches.keep_fp32_through_cast``). Empty groups are dropped (models without a GOAT prior).
+    (``engine.patches.keep_fp32_through_cast``, which keeps the prior's parameters by name, whatever
+    group they are in). Weight decay is a group setting, so a prior that partly decays (``c4``) takes two
+    fp32 groups. Empty groups are dropped: the default gives ``decay``, ``no_decay``, ``prior`` as
+    before (and no prior group without a GOAT prior); ``c4`` adds ``prior_decay``; ``all`` gives
+    ``decay`` and ``prior_decay``. The group names are recorded in a checkpoint's layout, so a resume
+    that changes the setting is reported as a layout change (the state loads by parameter name, as on
+    any layout change).
     ``shape_of(p)``: a parameter's shape as the model defines it (a model built partitioned holds
     placeholders: ``engine.zero3.full_shape``); default ``p.shape``."""
-    decay, keep, prior = [], [], []
+    if prior_weight_decay not in PRIOR_WEIGHT_DECAY:
+        raise ValueError(
+            f"prior_weight_decay must be one of {PRIOR_WEIGHT_DECAY}, got {prior_weight_decay!r}"
+        )
+    members: dict[str, list] = {group: [] for group in GROUP_OF.values()}
     for name, p in model.named_parameters():
         if p.requires_grad:
             shape = None if shape_of is None else shape_of(p)
-            (prior if is_prior(name) else keep if no_decay(name, p, shape) else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": keep, "weight_decay": 0.0, "name": "no_decay"},
-        {"params": prior, "weight_decay": 0.0, "name": "prior"},
+            decay = decays(name, p, prior_weight_decay, shape)
+            members[GROUP_OF[is_prior(name), decay]].append(p)
+    return [
+        {"params": params, "weight_decay": weight_decay if group in DECAYED_GROUPS else 0.0, "name": group}
+        for group, params in members.items()
+        if params
     ]
-    return [g for g in groups if g["params"]]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -97,7 +160,7 @@ def build_optimizer(
     Python loop of small ops per parameter (on this project's CPU machines 35x faster for a 67M-parameter
     model, and the difference between 0.2 and 0.5 of the matmul peak for a whole step; bench/mfu_cpu.py);
     on CUDA it is also torch's fastest AdamW. ``shape_of``: as in ``param_groups``."""
-    groups = param_groups(model, cfg.weight_decay, shape_of)
+    groups = param_groups(model, cfg.weight_decay, shape_of, cfg.prior_weight_decay)
     fused = fused_supported([p for g in groups for p in g["params"]])
     opt = torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True if fused else None

@@ -17,6 +17,7 @@ from .sections import (
     POSITIONS,
     PRECISIONS,
     PRIOR_INITS,
+    PRIOR_WEIGHT_DECAY,
     SYNTHETIC_TASKS,
     WINDOW_ORDERS,
     Config,
@@ -61,10 +62,13 @@ def validate(cfg: Config) -> None:
     _choice("parallel.grad_reduce_dtype", cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
     _choice("data.on_error", cfg.data.on_error, ON_ERROR)
     _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
+    if cfg.data.cache_max_gb is not None and not cfg.data.cache_max_gb >= 0:
+        raise ConfigError(f"data.cache_max_gb must be >= 0 (0 or null: no limit): {cfg.data.cache_max_gb}")
     _choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
     _choice("train.data_resume", t.data_resume, DATA_RESUME)
     _choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
+    _choice("train.prior_weight_decay", t.prior_weight_decay, PRIOR_WEIGHT_DECAY)
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(f"config key 'train.decay_fraction' must be in (0, 1], got {t.decay_fraction}")
     _check_rampup(t)
@@ -108,9 +112,16 @@ def validate(cfg: Config) -> None:
     if m.num_heads % kv:
         raise ConfigError(f"model.num_heads {m.num_heads} must divide by model.num_kv_heads {kv}")
     head_dim = m.hidden_size // m.num_heads
-    from ..shapes import prior_lane_count
+    from ..shapes import KEY_BIAS_LANE_CHOICES, goat_lane_count
 
-    lanes = prior_lane_count(m.goat.pos_rank, m.goat.key_bias)
+    if m.goat.key_bias_lanes not in KEY_BIAS_LANE_CHOICES:
+        raise ConfigError(
+            f"config key 'model.goat.key_bias_lanes' must be one of {KEY_BIAS_LANE_CHOICES}, "
+            f"got {m.goat.key_bias_lanes!r}"
+        )
+    if not m.goat.sink_init_std >= 0:
+        raise ConfigError(f"model.goat.sink_init_std must be >= 0, got {m.goat.sink_init_std}")
+    lanes = goat_lane_count(m)  # auto counted as 3: a config valid in bf16 is valid in fp32
     if m.position == "goat" and head_dim <= lanes:
         raise ConfigError(
             f"head dim {head_dim} leaves no content lanes after GOAT's {lanes} prior lanes "
@@ -125,6 +136,14 @@ def validate(cfg: Config) -> None:
             "masking a token's position is its offset in its document, which continues across windows and "
             f"exceeds the learned table's model.seq_len={m.seq_len} entries for any document longer than a "
             "window. Use model.position=goat, rope, alibi or none with document masking"
+        )
+    if cfg.data.bos_framing and (cfg.data.document_masking or cfg.data.synthetic or m.seq_len < 2):
+        # a window-level BOS at position 0 next to per-document positions, or in a generated task that
+        # frames its own samples, has no meaning the authors' recipe gives; one token leaves no corpus
+        raise ConfigError(
+            "data.bos_framing=true needs data.document_masking=false, no data.synthetic task and "
+            f"model.seq_len >= 2 (got document_masking={cfg.data.document_masking}, "
+            f"synthetic={cfg.data.synthetic}, seq_len={m.seq_len})"
         )
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0-3, got {cfg.parallel.zero_stage}")

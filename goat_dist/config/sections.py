@@ -24,7 +24,8 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 EXPORT_DTYPES = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 SYNTHETIC_TASKS = ("passkey",)
-WINDOW_ORDERS = ("keyed", "numpy")  # data/schedule.py's, without importing the data package here
+PRIOR_WEIGHT_DECAY = ("none", "c4", "all")  # train.prior_weight_decay (optim.decays)
+WINDOW_ORDERS = ("epoch", "keyed", "numpy")  # data/schedule.py's, without importing the data package here
 DEFAULT_VOCAB_SIZE = 4096
 
 
@@ -36,9 +37,15 @@ class ConfigError(ValueError):
 class GoatConfig:
     pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes of each q/k head)
     abs_rank: int = 4  # M: absolute Fourier features of the sink MLP
-    pos_base: float = 10_000.0
-    abs_base: float = 10_000.0
-    key_bias: bool = True  # the sink/recency term u(j): 3 lanes (bf16/fp16-exact split); 2R+3 in all
+    pos_base: float = 10_000.0  # base of the relative frequencies: w_r = pos_base^(-r / (R - 1))
+    abs_base: float = 10_000.0  # the same for the M absolute frequencies of the sink MLP's features
+    key_bias: bool = True  # the sink/recency term u(j), on key_bias_lanes lanes of each q/k head
+    # u(j)'s lanes: 3 (split into parts exact in bf16/fp16: 2R+3 in all) | 1 (one lane, exact in fp32
+    # only: the reference's 2R+1) | auto: 1 when train.precision resolves to fp32, else 3, or the count
+    # of the checkpoint a run starts from where that is exact. Saved resolved; a start that would change
+    # it is refused (checkpoint/extension.py)
+    key_bias_lanes: int | str = "auto"
+    sink_init_std: float = 1e-3  # std of the sink MLP's initial weights (the authors' C4 script: 1e-3)
     prior_init: str = "seeded"  # seeded (ALiBi slopes) | uniform (starts as standard attention)
     # the sink features' length normaliser L_train (t / L_train, log1p(t) / log1p(L_train)); None: the
     # run's model.seq_len, or the value of the checkpoint it resumes or starts from (train.init_from),
@@ -52,22 +59,22 @@ class ModelConfig:
     # config: the data set manifest's (load_config), DEFAULT_VOCAB_SIZE when there is no manifest
     vocab_size: int = DEFAULT_VOCAB_SIZE
     seq_len: int = 256  # training context; GOAT's L_train unless model.goat.train_len says otherwise
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 8
+    num_layers: int = 4  # transformer blocks
+    hidden_size: int = 256  # model width
+    num_heads: int = 8  # query heads; head dim = hidden_size / num_heads (GOAT's prior lanes included)
     num_kv_heads: int | None = None  # None: multi-head attention; fewer: grouped-query attention
     ffn_hidden_size: int | None = None  # None: 4h for gelu, 8h/3 rounded to 64 for swiglu
     activation: str = "swiglu"  # swiglu | gelu
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    norm_eps: float = 1e-5
-    bias: bool = False
-    tie_embeddings: bool = True
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm / LayerNorm
+    bias: bool = False  # biases in the linear layers and LayerNorms
+    tie_embeddings: bool = True  # the output layer shares the input embedding's weights
     position: str = "goat"  # goat | rope | alibi | none | learned
     attention_backend: str = "auto"  # auto | flash4 | flash | sdpa | eager
-    rope_base: float = 10_000.0
-    init_std: float = 0.02
-    dropout: float = 0.0
-    vocab_pad_multiple: int = 128
+    rope_base: float = 10_000.0  # RoPE's frequency base (position=rope)
+    init_std: float = 0.02  # normal init; the residual branches' output layers: init_std / sqrt(2 num_layers)
+    dropout: float = 0.0  # dropout on each residual branch's output (attention, MLP)
+    vocab_pad_multiple: int = 128  # the vocabulary is padded to a multiple of this (and of TP)
     # torch.compile each transformer block's training forward: auto (on CUDA only) | true | false
     compile: bool | str = "auto"
     goat: GoatConfig = field(default_factory=GoatConfig)
@@ -75,7 +82,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1  # tensor-parallel size; data parallel = world / tp
+    tp: int = 1  # tensor-parallel size; data parallel = world / (tp x cp)
     sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     cp: int = 1  # context parallel: ranks sharing one sequence; data parallel = world / (tp x cp)
@@ -89,12 +96,12 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300
+    max_steps: int = 300  # optimizer steps (train.max_tokens, when set, decides instead)
     micro_batch_size: int = 8  # sequences per rank per forward pass
     global_batch_size: int = 8  # sequences per optimizer step, fixed when DP changes
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
+    lr: float = 3e-3  # peak learning rate, reached at the end of the warmup
+    min_lr: float = 3e-4  # the learning rate at the end of the decay
+    warmup_steps: int = 20  # linear warmup steps up to lr
     lr_schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay; optim.lr_at)
     decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays to min_lr
     decay_shape: str = "linear"  # wsd's decay: linear | cosine | sqrt (1 - sqrt(progress))
@@ -104,16 +111,20 @@ class TrainConfig:
     # [start, increment, ramp_tokens]: the global batch grows from `start` sequences by `increment` over the
     # first ramp_tokens tokens to global_batch_size (Megatron's --rampup-batch-size; goat_dist/rampup.py)
     batch_rampup: list | None = None
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1234
+    weight_decay: float = 0.1  # AdamW's; none on norms, biases and GOAT prior parameters
+    # which parameters decay beyond those (optim.decays): none (the paper's text) | c4 (the authors'
+    # train_c4.py: also sink_gain, sink_bump, recency_slope_raw) | all (every parameter, norms, biases and
+    # the whole prior: their passkey/NIAH script, at weight_decay 0.01)
+    prior_weight_decay: str = "none"
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0: no clipping
+    seed: int = 1234  # initial weights, data order and dropout; the same on every rank
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: str = "none"  # none | full (whole blocks) | selective (attention core)
     eval_interval: int = 100  # steps between validation passes; 0 disables
-    eval_batches: int = 4
+    eval_batches: int = 4  # micro-batches per rank in each validation pass
     resume: str = "auto"  # auto (latest checkpoint of the run dir, if any) | never | <checkpoint step dir>
     data_resume: str = "check"  # check (refuse a changed data contract on resume) | restart (new stream)
     on_nonfinite: str = "raise"  # raise | skip (drop the update; counted as nonfinite_skipped)
@@ -138,13 +149,23 @@ class DataConfig:
     )
     sources: list | None = None  # a mixture instead of `source`: [{path: ..., weight: ...}, ...]
     cache_dir: str = "~/.cache/goat-dist"  # where the builtin dataset and its tokenizer are built once
-    builtin_max_bytes: int = 8_000_000
+    # remote (pipe:/URL) shards staged per host, least recently used evicted past this many GB (1e9 bytes),
+    # never a shard a reader holds; 0 or null: no limit. 50: hundreds of 64 MB shards, well inside a GPU
+    # node's local scratch (data/shard_index.py)
+    cache_max_gb: float | None = 50.0
+    # where they are staged; null: $SLURM_TMPDIR, else $TMPDIR, inside a Slurm job, else <cache_dir>/remote
+    remote_cache_dir: str | None = None
+    builtin_max_bytes: int = 8_000_000  # bytes of stdlib text the builtin data set is built from
     num_workers: int = 0  # DataLoader workers per rank (batches are identical for any number)
     shuffle_buffer: int = 1024  # sequences mixed across shards before batching; 0 keeps stream order
-    # order inside a shuffle block: keyed (a seeded bijection, O(1) per sample at any dp) | numpy (the
-    # order of streams begun before keyed existed; a resume of such a run keeps it by itself)
-    window_order: str = "keyed"
+    # window order: epoch (a seeded bijection of the whole epoch's windows, O(1) per sample at any dp; with
+    # it shuffle_buffer only turns shuffling off at 0) | keyed (the same inside each shuffle_buffer block;
+    # streams begun before epoch) | numpy (before keyed). A resume keeps the order its stream began with.
+    window_order: str = "epoch"
     document_masking: bool = False  # positions restart per document and attention stays inside it
+    # every window is BOS + seq_len - 1 corpus tokens, as the authors' C4 script frames them (the data
+    # set's BOS, else its EOS); evaluation windows too (data/framing.py). Part of the data contract
+    bos_framing: bool = False
     on_error: str = "raise"  # raise | skip (a corrupt shard's rest is masked, counted, logged)
     synthetic: str | None = None  # None | passkey: a generated task instead of `source` (data/synthetic.py)
 
@@ -154,7 +175,7 @@ class CheckpointConfig:
     interval: int = 0  # steps between checkpoints; 0: only at the end and on preemption signals
     interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
     keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
-    save_at_end: bool = True
+    save_at_end: bool = True  # save when the run ends (unless its last step is saved already)
     # kept so that older config.yaml files load: every checkpoint is layout-independent now (one copy of the
     # state, each rank writing its own share); ``false`` is refused, naming why
     universal: bool = True
@@ -176,7 +197,7 @@ setattr(
 @dataclass
 class LogConfig:
     interval: int = 10  # steps between progress lines / metrics.jsonl records
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard events in <run_dir>/tensorboard/ (rank 0)
     prior_interval: int = 500  # steps between GOAT prior pictures in TensorBoard; 0 disables
     prior_layers: list | None = None  # layer indices to picture; None: first, middle and last
     prior_heads: list | None = None  # KV-head indices to picture; None: every head
@@ -187,7 +208,7 @@ class LogConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "goat-tiny"
+    name: str = "goat-tiny"  # the run's name: run.dir defaults to runs/<name>
     dir: str | None = None  # default: runs/<name> under the working directory
 
 

@@ -182,7 +182,8 @@ def pinned(layout: Layout) -> bool:
 
 
 def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample: int = 0):
-    """This rank's micro-batches from global sample ``start_sample`` on (exact resume)."""
+    """This rank's micro-batches from global sample ``start_sample`` on (exact resume); with
+    ``data.bos_framing`` every window is a BOS and ``seq_len - 1`` corpus tokens (``framing``)."""
     d = cfg.data
     if d.synthetic:
         from . import synthetic
@@ -212,7 +213,10 @@ def train_loader(cfg: Config, layout: Layout, sources: list[dict], start_sample:
         shuffle_buffer=d.shuffle_buffer,
         on_error=d.on_error,
         cache_dir=d.cache_dir,
+        cache_max_gb=d.cache_max_gb,
+        remote_cache_dir=d.remote_cache_dir,
         window_order=d.window_order,
+        bos_framing=d.bos_framing,
         pin_memory=pinned(layout),
     )
 
@@ -242,5 +246,8 @@ def val_loader(cfg: Config, layout: Layout, sources: list[dict]):
         document_masking=d.document_masking,
         on_error=d.on_error,
         cache_dir=d.cache_dir,
+        cache_max_gb=d.cache_max_gb,
+        remote_cache_dir=d.remote_cache_dir,
+        bos_framing=d.bos_framing,  # validation windows framed as training's
         pin_memory=pinned(layout),
     )

@@ -1,9 +1,9 @@
 """The data contract: what must stay the same for ``consumed_samples`` to mean the same data on resume.
 
 A checkpoint records it; a resume compares. The sample stream is a pure function of the sources (their
-manifests and mixture weights), the tokenizer, ``seq_len``, the seed, the shuffle buffer and document
-masking (see ``data/loader.py``). The layout (TP/DP/ZeRO), micro-batch size and worker count are not part
-of it: the loader gives the same global stream for any of them.
+manifests and mixture weights), the tokenizer, ``seq_len``, the seed, the shuffle buffer, the window
+order and document masking (see ``data/loader.py``). The layout (TP/DP/ZeRO), micro-batch size and worker
+count are not part of it: the loader gives the same global stream for any of them.
 
 ``train.data_resume=check`` (default) refuses a resume whose contract differs, naming each key
 old -> new. ``train.data_resume=restart`` accepts it and starts the new stream at its sample 0: the
@@ -18,6 +18,7 @@ import hashlib
 import json
 
 from ..config import Config
+from .schedule import DEFAULT_WINDOW_ORDER
 
 LEGACY_WINDOW_ORDER = "numpy"  # the order of a contract that does not name one
 
@@ -49,6 +50,7 @@ def data_contract(cfg: Config, sources: list[dict]) -> dict:
         "shuffle_buffer": d.shuffle_buffer,
         "window_order": d.window_order,
         "document_masking": d.document_masking,
+        "bos_framing": d.bos_framing,
     }
 
 
@@ -61,6 +63,10 @@ def differences(old: dict, new: dict) -> list[str]:
     for key in ("tokenizer_sha256", "seq_len", "seed", "shuffle_buffer", "document_masking"):
         if old.get(key) != new.get(key):
             out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    if old.get("bos_framing", False) != new.get("bos_framing", False):  # absent: a stream from before the key
+        out.append(
+            f"data.bos_framing: {old.get('bos_framing', False)!r} -> {new.get('bos_framing', False)!r}"
+        )
     before = old.get("window_order", LEGACY_WINDOW_ORDER)
     after = new.get("window_order", LEGACY_WINDOW_ORDER)
     if before != after:
@@ -82,15 +88,20 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def keep_window_order(saved: dict | None, cfg: Config, contract: dict) -> bool:
-    """A checkpoint whose stream began before ``data.window_order`` existed (its contract has no such key)
-    continues in the order it was read in ("numpy"), unless the config asks for another order than the
-    default: the resume then stays exact without the user knowing the setting. Updates ``cfg`` and
-    ``contract``; True when it did."""
-    if not saved or "window_order" in saved or cfg.data.window_order != "keyed":
-        return False
-    cfg.data.window_order = contract["window_order"] = LEGACY_WINDOW_ORDER
-    return True
+def keep_window_order(saved: dict | None, cfg: Config, contract: dict) -> str | None:
+    """A resumed stream continues in the order it began with, whatever the default is now: the order its
+    contract records ("keyed" for streams begun before "epoch" became the default), or "numpy" when the
+    contract names none (streams begun before ``data.window_order`` existed, or before contracts did).
+
+    Why: the default changed under running jobs; a resume must stay exact without the user knowing the
+    setting, and must not be refused as a data change. A config that asks for another order than the
+    default is taken at its word (``check`` then names the change). Updates ``cfg`` and ``contract``;
+    returns the order kept when it differs from the configured one, else None."""
+    recorded = (saved or {}).get("window_order", LEGACY_WINDOW_ORDER)
+    if cfg.data.window_order != DEFAULT_WINDOW_ORDER or recorded == DEFAULT_WINDOW_ORDER:
+        return None
+    cfg.data.window_order = contract["window_order"] = recorded
+    return recorded
 
 
 def check(old: dict | None, new: dict, mode: str, checkpoint: str) -> bool:

@@ -6,10 +6,12 @@ the previous run stopped, whatever the number of DataLoader workers.
 
 The global sample stream (identical on every rank and worker):
   * every source is a packed stream of windows of `seq_len + 1` tokens (stride `seq_len`) over
-    its documents; epoch e reads the source's shards in a seeded order and shows its windows
-    shuffled within blocks of `shuffle_buffer` windows (see `schedule.SourceSchedule`; the order
-    inside a block is `window_order`: "keyed", a seeded bijection evaluated per sample, or "numpy",
-    a numpy shuffle of the whole block, as streams begun before "keyed" existed); windows
+    its documents; epoch e reads the source's shards in a seeded order and shows its windows in
+    the order `window_order` (see `schedule.SourceSchedule`): "epoch" (default), a seeded bijection
+    of all the epoch's windows evaluated per sample, so consecutive samples come from anywhere in
+    the source; "keyed", the same within blocks of `shuffle_buffer` consecutive windows, and
+    "numpy", a numpy shuffle of each such block (streams begun before "epoch"/"keyed" existed; the
+    data contract keeps a resume in its order); windows
     never cross an epoch and the tail of an epoch (< one window) is dropped;
   * global sample n comes from source `Mixture.locate(n)`: in every chunk of 4096 samples each
     source has round(4096 * weight) slots, in a seeded random order; each source advances its
@@ -19,6 +21,9 @@ The global sample stream (identical on every rank and worker):
     start of the token's document: positions restart at 0 after every EOS, and a document that
     began in the previous window of the stream continues its count (so positions can exceed
     seq_len). Document boundaries are where position_ids[t] != position_ids[t-1] + 1.
+    With `bos_framing=True` (data.bos_framing) windows are `seq_len` tokens at stride `seq_len - 1`,
+    tokens = [BOS] + window[:-1] and labels = window (`framing`: the BOS predicts the first corpus
+    token, no position predicts a BOS); positions 0..seq_len-1.
 
 Distribution: global sample n belongs to data-parallel rank n % dp_size. A rank's k-th
 micro-batch holds its samples [k*B, (k+1)*B) (B = micro_batch_size), in rank order; DataLoader
@@ -33,8 +38,8 @@ dp_size the global stream from S on is split anew (sample n >= S to rank n % dp_
 union over ranks is still exactly the samples S, S+1, ... of the same stream, so within an
 epoch no sample is repeated or skipped. Skipping to S costs O(1) arithmetic: nothing before it is
 read. What must stay
-the same for this: the sources (order, weights, contents), seed, seq_len, shuffle_buffer and
-document_masking; micro_batch_size, num_workers and (as above) dp_size may change. The trainer
+the same for this: the sources (order, weights, contents), seed, seq_len, shuffle_buffer, window_order
+and document_masking; micro_batch_size, num_workers and (as above) dp_size may change. The trainer
 stores only S (all ranks' consumed samples) and passes it back as `start_sample`.
 
 Reads: a rank (and each of its workers) reads only the windows of its own samples, by offset, through
@@ -67,9 +72,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from goat_dist.data.reader import EpochReader, Span
-from goat_dist.data.schedule import Mixture, SourceSchedule
-from goat_dist.data.shard_index import ShardFiles
+from goat_dist.data import framing, shard_index
+from goat_dist.data.reader import EpochReader, Span, open_files, plan_remote, start_prefetch
+from goat_dist.data.schedule import DEFAULT_WINDOW_ORDER, Mixture, SourceSchedule
+from goat_dist.data.shard_index import DEFAULT_CACHE_MAX_GB, ShardFiles
 from goat_dist.data.sources import SourceSplit, resolve_sources
 
 ON_ERROR = ("raise", "skip")
@@ -121,7 +127,10 @@ class PackedBatches(IterableDataset):
         on_error: str = "raise",
         shuffle: bool = True,
         cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
-        window_order: str = "keyed",
+        cache_max_gb: float | None = DEFAULT_CACHE_MAX_GB,
+        remote_cache_dir: str | os.PathLike | None = None,
+        window_order: str = DEFAULT_WINDOW_ORDER,
+        bos_framing: bool = False,
     ):
         super().__init__()
         if seq_len < 1 or micro_batch_size < 1:
@@ -140,8 +149,13 @@ class PackedBatches(IterableDataset):
         self.seed, self.start_sample = seed, start_sample
         self.document_masking, self.on_error = document_masking, on_error
         self.cache_dir = cache_dir  # indexes of shards without one, and copies of remote shards
+        if bos_framing and document_masking:
+            raise ValueError("bos_framing and document_masking cannot be combined (data.bos_framing)")
+        # BOS framing (data/framing.py): windows advance by seq_len - 1 corpus tokens, BOS first
+        self.bos = [framing.bos_id(s) for s in self.sources] if bos_framing else None
+        step = framing.stride(seq_len, bos_framing)
         self.schedules = [
-            SourceSchedule(s.n_tokens, seq_len, seed, i, shuffle_buffer, shuffle, window_order)
+            SourceSchedule(s.n_tokens, step, seed, i, shuffle_buffer, shuffle, window_order)
             for i, s in enumerate(self.sources)
         ]
         for s, sched in zip(self.sources, self.schedules):
@@ -151,6 +165,8 @@ class PackedBatches(IterableDataset):
                     f"{seq_len + 1}; no training sequence can be formed"
                 )
         Mixture([s.weight for s in self.sources], seed)  # validates the weights now, not in a worker
+        # remote sources: staged within data.cache_max_gb and prefetched (reader.plan_remote; checked now)
+        self.remote = plan_remote(self.sources, self.schedules, cache_dir, cache_max_gb, remote_cache_dir)
 
     @property
     def windows_per_epoch(self) -> list[int]:
@@ -167,7 +183,11 @@ class PackedBatches(IterableDataset):
         worker, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         mixture = Mixture([s.weight for s in self.sources], self.seed)
         warned: set = set()
-        files = ShardFiles(self.cache_dir)  # this process's open shards: workers never share descriptors
+        _keep_open(self.sources)
+        files = open_files(self.remote, self.cache_dir)  # this process's: workers never share descriptors
+        prefetch = start_prefetch(
+            self.remote, files, self.sources, self.schedules, mixture, self.global_samples, worker, n_workers
+        )
         windows = [
             _SourceWindows(src, sched, self.on_error, warned, files)
             for src, sched in zip(self.sources, self.schedules)
@@ -175,9 +195,11 @@ class PackedBatches(IterableDataset):
         try:
             k = worker
             while True:
+                prefetch.advance(k)
                 yield self._batch(k, mixture, windows)
                 k += n_workers
         finally:
+            prefetch.close()
             files.close()
 
     def _batch(self, k: int, mixture: Mixture, windows: list[_SourceWindows]) -> dict[str, torch.Tensor]:
@@ -192,20 +214,36 @@ class PackedBatches(IterableDataset):
             s, j = mixture.locate(n)
             epoch, _, w = self.schedules[s].locate(j)
             span = windows[s].window(epoch, w)
-            tokens[t] = span.tokens[:-1]
-            labels[t] = span.tokens[1:]
+            framing.cut(span.tokens, tokens[t], labels[t], None if self.bos is None else self.bos[s])
             if self.document_masking:
                 offsets = np.arange(w * L, w * L + L)
                 idx = np.searchsorted(span.doc_starts, offsets, side="right") - 1
                 positions[t] = offsets - span.doc_starts[idx]
             if span.missing is not None and span.missing.any():
                 m = span.missing
-                labels[t, m[:-1] | m[1:]] = IGNORE_INDEX
+                labels[t, framing.unreadable(m, self.bos is not None)] = IGNORE_INDEX
                 holes.append(t)
         if not self.document_masking:
             positions[:] = np.arange(L)
         storage[-1] = len(holes)
         return {"tokens": out[0], "labels": out[1], "position_ids": out[2], "skipped": storage[-1]}
+
+
+def _keep_open(sources: Sequence[SourceSplit]) -> None:
+    """Let this process (a rank, or one of its workers) keep every shard of its sources open, within a
+    quarter of its file descriptor limit (an open shard holds two: the file and its index's map).
+
+    Why: under window_order=epoch (and under any order at a large dp) consecutive samples of a rank come
+    from anywhere in a source, so a least-recently-used cap below the number of shards would reopen a
+    shard for most samples, and a reopening reads the index's header twice (up to 16 KB, four times a
+    2048-token window) and costs ~0.5 ms. Raises ``shard_index.OPEN_SHARDS`` (never lowers it)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = sum(len(s.shards) for s in sources)
+    if soft != resource.RLIM_INFINITY:
+        want = min(want, soft // 4)
+    shard_index.OPEN_SHARDS = max(shard_index.OPEN_SHARDS, want)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -280,7 +318,10 @@ def build_train_loader(
     split: str = "train",
     pin_memory: bool = False,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
-    window_order: str = "keyed",
+    cache_max_gb: float | None = DEFAULT_CACHE_MAX_GB,
+    remote_cache_dir: str | os.PathLike | None = None,
+    window_order: str = DEFAULT_WINDOW_ORDER,
+    bos_framing: bool = False,
 ) -> DataLoader:
     """DataLoader of this rank's training micro-batches, resumed at global sample `start_sample`.
 
@@ -298,7 +339,10 @@ def build_train_loader(
         shuffle_buffer=shuffle_buffer,
         on_error=on_error,
         cache_dir=cache_dir,
+        cache_max_gb=cache_max_gb,
+        remote_cache_dir=remote_cache_dir,
         window_order=window_order,
+        bos_framing=bos_framing,
     )
     return _loader(dataset, num_workers, pin_memory)
 
@@ -315,6 +359,9 @@ def build_val_loader(
     split: str = "val",
     pin_memory: bool = False,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
+    cache_max_gb: float | None = DEFAULT_CACHE_MAX_GB,
+    remote_cache_dir: str | os.PathLike | None = None,
+    bos_framing: bool = False,
 ) -> DataLoader:
     """DataLoader of this rank's validation micro-batches: fixed order, infinite (see module doc)."""
     dataset = PackedBatches(
@@ -328,5 +375,8 @@ def build_val_loader(
         on_error=on_error,
         shuffle=False,
         cache_dir=cache_dir,
+        cache_max_gb=cache_max_gb,
+        remote_cache_dir=remote_cache_dir,
+        bos_framing=bos_framing,
     )
     return _loader(dataset, num_workers, pin_memory)

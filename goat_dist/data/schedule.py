@@ -17,9 +17,14 @@ MIX_CHUNK = 4096
 # Windows read together when the stream is not shuffled (reading granularity only).
 READ_BLOCK = 256
 _MIX_TAG, _SHARD_TAG, _BLOCK_TAG = 0x6D6978, 0x736872, 0x626C6B  # separate the RNG streams
-# How windows are ordered inside a block (data.window_order): "keyed" evaluates a seeded bijection one
-# position at a time; "numpy" (streams begun before it existed) shuffles a whole block with numpy's RNG.
-WINDOW_ORDERS = ("keyed", "numpy")
+_EPOCH_TAG = 0x657063
+# How an epoch's windows are ordered (data.window_order): "epoch" (the default) applies one seeded
+# bijection to all windows of the epoch, so consecutive samples come from anywhere in the source; "keyed"
+# (streams begun before "epoch" existed) applies one per shuffle block of consecutive windows, so a large
+# step is a contiguous slice of a shard or two; "numpy" (streams begun before "keyed" existed) shuffles a
+# whole block with numpy's RNG. A stream keeps the order it began with (data.contract).
+WINDOW_ORDERS = ("epoch", "keyed", "numpy")
+DEFAULT_WINDOW_ORDER = "epoch"
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -29,6 +34,24 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """`_mix64` of every element of a uint64 array (numpy's uint64 products wrap modulo 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_shuffle(n: int, key: int) -> list[int]:
+    """A seeded permutation of range(n), all at once: range(n) sorted by a keyed bijective hash.
+
+    Why: where every position is wanted (a shard order), this costs a few vectorized passes (~20 us for
+    tens of shards) instead of n `KeyedPermutation` evaluations (~6 us each), which a rank of a large dp
+    on a small corpus (a new epoch every few samples) would pay every epoch; and unlike numpy's RNG its
+    values are fixed by this code, not by the numpy version."""
+    hashes = _mix64_array(np.arange(n, dtype=np.uint64) ^ np.uint64(key & _M64))
+    return np.argsort(hashes, kind="stable").tolist()
 
 
 def stream_key(*parts: int) -> int:
@@ -124,12 +147,23 @@ class SourceSchedule:
     Epoch e reads the shards in `shard_order(e)` (seeded permutation, or manifest order when not
     shuffled) and concatenates their documents into one token stream of T tokens (T from the
     manifest, the same every epoch). Window w covers tokens [w*L, w*L + L + 1) of that stream, so
-    an epoch has N = (T - 1) // L windows; the tail is dropped. Positions p = 0..N-1 of the epoch
-    are grouped into blocks of `block` positions; position p shows window
-    `block_start + perm_b[p - block_start]` with perm_b a seeded permutation of the block (the
-    identity when not shuffled). `window_order="keyed"`: the shard order and every block's order are
-    `KeyedPermutation`s keyed by (seed, source, epoch[, block]); "numpy" (streams begun before keyed
-    existed): numpy permutations seeded by the same. Stream index j is position j % N of epoch j // N.
+    an epoch has N = (T - 1) // L windows; the tail is dropped. Stream index j is position
+    p = j % N of epoch j // N, which shows:
+
+    * `window_order="epoch"` (the default): window `perm_e(p)`, perm_e a `KeyedPermutation` of all N
+      windows keyed by (seed, source, epoch), and the shard order a `keyed_shuffle` keyed by the
+      same. Why: consecutive samples (so a step's batch) come from anywhere in the source instead of a
+      slice of one shard; the cost is that a rank reads from every shard of the source in turn, so its
+      process keeps them open (see ``loader``). `shuffle_buffer` then only switches shuffling off
+      (0 or 1: stream order).
+    * "keyed" (streams begun before "epoch" existed): positions are grouped into blocks of `block`
+      (= shuffle_buffer) positions; p shows window `block_start + perm_b[p - block_start]` with perm_b a
+      `KeyedPermutation` of the block keyed by (seed, source, epoch, block); the shard order a
+      `KeyedPermutation` keyed by (seed, source, epoch).
+    * "numpy" (streams begun before "keyed" existed): as "keyed", with numpy permutations seeded by
+      the same (shard order too).
+
+    Not shuffled (validation, or shuffle_buffer <= 1): window p, every order alike.
     """
 
     def __init__(
@@ -140,7 +174,7 @@ class SourceSchedule:
         source_index: int,
         shuffle_buffer: int,
         shuffle: bool = True,
-        window_order: str = "keyed",
+        window_order: str = DEFAULT_WINDOW_ORDER,
     ):
         if window_order not in WINDOW_ORDERS:
             raise ValueError(f"window_order must be one of {WINDOW_ORDERS}, got {window_order!r}")
@@ -166,7 +200,9 @@ class SourceSchedule:
         if self.window_order == "keyed":
             perm = KeyedPermutation(n, stream_key(*key))
             return [perm(i) for i in range(n)]
-        return [int(i) for i in np.random.default_rng(list(key)).permutation(n)]
+        if self.window_order == "epoch":
+            return keyed_shuffle(n, stream_key(*key, _EPOCH_TAG))
+        return np.random.default_rng(list(key)).permutation(n).tolist()
 
     def block_span(self, b: int) -> tuple[int, int]:
         """First window and number of windows of block b."""
@@ -179,6 +215,11 @@ class SourceSchedule:
         b, i = divmod(p, self.block)
         if not self.shuffle_windows:
             return epoch, b, p
+        if self.window_order == "epoch":  # one block: the whole epoch
+            if self._epoch_key[0] != epoch:
+                key = stream_key(self.seed, _EPOCH_TAG, self.source_index, epoch)
+                self._epoch_key, self._perm = (epoch, key), KeyedPermutation(self.windows, key)
+            return epoch, 0, self._perm(p)
         if self._perm_key != (epoch, b):
             first, count = self.block_span(b)
             if self.window_order == "keyed":

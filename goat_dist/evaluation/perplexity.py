@@ -7,7 +7,9 @@ predicts tokens ``w*length + 1 .. (w+1)*length``). Every window is evaluated **f
 short contexts and the perplexity at a length averages over contexts ``0 .. length-1``. Every length
 reads the same first ``tokens`` tokens of the stream (``tokens // length`` windows, capped so no window
 repeats). ``loss_by_position`` splits the loss by position inside the window in blocks of the training
-length: the blocks past the first are exactly the extrapolated positions.
+length: the blocks past the first are exactly the extrapolated positions. A model trained on BOS-framed
+windows (``data.bos_framing``) is evaluated on them: window ``w`` is a BOS and the corpus tokens
+``w*(length-1) .. (w+1)*(length-1) - 1``, predicting those and the next one (``data/framing.py``).
 
 Tensor parallelism: under torchrun every TP rank computes its vocabulary slice and the cross-entropy is
 vocab-parallel; data-parallel ranks (world / TP) split the windows and sum. Context parallelism (one
@@ -22,6 +24,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from .. import collectives
+from ..data import framing
 from ..data.loader import IGNORE_INDEX, PackedBatches
 from ..data.sources import resolve_sources
 from . import EvalError
@@ -64,14 +67,17 @@ def perplexity_at(
     device: torch.device,
     autocast,
     train_len: int,
+    bos_framing: bool = False,
 ) -> dict:
-    """One evaluation length; collective over the world (every rank calls it with the same arguments)."""
+    """One evaluation length; collective over the world (every rank calls it with the same arguments).
+    ``bos_framing``: each window is a BOS and ``length - 1`` corpus tokens, as the model was trained
+    (``data.bos_framing``, ``data/framing.py``); the BOS is position 0 and predicts the first token."""
     check_length(model.cfg, length)
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     micro = max(1, batch_tokens // length)
     sources = resolve_sources([{"path": data_path, "weight": 1.0}], split)
-    available = (sources[0].total_tokens - 1) // length
+    available = (sources[0].total_tokens - 1) // framing.stride(length, bos_framing)
     if available < 1:
         raise EvalError(
             f"{data_path} ({split}) holds {sources[0].total_tokens} tokens: not one window of {length + 1}"
@@ -79,7 +85,9 @@ def perplexity_at(
     windows = min(tokens // length, available)
     if windows < 1:
         raise EvalError(f"--tokens {tokens} is less than one window of length {length}")
-    dataset = PackedBatches(sources, length, micro, dp_rank=dp_rank, dp_size=dp, seed=0, shuffle=False)
+    dataset = PackedBatches(
+        sources, length, micro, dp_rank=dp_rank, dp_size=dp, seed=0, shuffle=False, bos_framing=bos_framing
+    )
     by_position = torch.zeros(length, dtype=torch.float64)
     counts = torch.zeros(length, dtype=torch.float64)
     steps = math.ceil(windows / (micro * dp))  # equal on every rank: TP peers must run the same batches
@@ -111,6 +119,7 @@ def perplexity_at(
         "length": length,
         "multiple": length / train_len,
         "windows": windows,
+        "bos_framing": bos_framing,
         "tokens": int(counts.sum()),
         "loss": loss,
         "ppl": math.exp(min(loss, 700.0)),

@@ -41,6 +41,7 @@ def ppl_report(
                 session.device,
                 session.autocast,
                 session.loaded.cfg.seq_len,
+                bos_framing=trained_framed(session.loaded),
             )
         )
     return {
@@ -53,6 +54,12 @@ def ppl_report(
         "protocol": PROTOCOL,
         "results": results,
     }
+
+
+def trained_framed(loaded) -> bool:
+    """Whether the run trained on BOS-framed windows (``data.bos_framing``): evaluation frames its windows
+    the same way. An export directory keeps no data settings: unframed."""
+    return bool(((loaded.run_config or {}).get("data") or {}).get("bos_framing", False))
 
 
 # what must match for an earlier file's lengths to join a new report's: the same measurement otherwise

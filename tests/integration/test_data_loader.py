@@ -24,6 +24,9 @@ from goat_dist.data.loader import PackedBatches, build_train_loader, build_val_l
 from goat_dist.data.sources import resolve_sources
 
 VOCAB = 60_000
+# The tests that exercise the window order run under both the whole-epoch order (the default) and the block
+# order of streams begun before it; the multi-process ones under the default only.
+ORDERS = pytest.mark.parametrize("order", ["epoch", "keyed"])
 
 
 def make_dataset(root: Path, base: int, n_docs: int, seed: int = 0, shard_mb: float = 0.004) -> Path:
@@ -77,15 +80,17 @@ def test_batches_are_stream_windows(data_a):
         assert (diffs >= 1).all()
 
 
-def test_same_seed_same_batches_on_every_rank(data_a, data_b):
+@ORDERS
+def test_same_seed_same_batches_on_every_rank(data_a, data_b, order):
     sources = [{"path": str(data_a), "weight": 2}, {"path": str(data_b), "weight": 1}]
     for rank in (0, 1):
-        a = batches(loader(sources, rank, 2), 12)
-        b = batches(loader(sources, rank, 2), 12)
+        a = batches(loader(sources, rank, 2, window_order=order), 12)
+        b = batches(loader(sources, rank, 2, window_order=order), 12)
         assert same(a, b)
-    r0, r1 = (batches(loader(sources, r, 2), 12) for r in (0, 1))
+    r0, r1 = (batches(loader(sources, r, 2, window_order=order), 12) for r in (0, 1))
     assert not firsts(r0) & firsts(r1)
-    assert not same(batches(loader(sources, 0, 2), 12), batches(loader(sources, 0, 2, seed=8), 12))
+    other_seed = batches(loader(sources, 0, 2, seed=8, window_order=order), 12)
+    assert not same(batches(loader(sources, 0, 2, window_order=order), 12), other_seed)
 
 
 def test_workers_and_ranks_do_not_change_the_global_stream(data_a):
@@ -112,14 +117,15 @@ def test_resume_is_exact_per_rank_for_any_worker_count(data_a, data_b):
             assert same(resumed, full[r][k:])
 
 
-def test_resume_deep_in_the_stream_is_exact_and_opens_only_needed_shards(data_a, monkeypatch):
+@ORDERS
+def test_resume_deep_in_the_stream_is_exact_and_opens_only_needed_shards(data_a, monkeypatch, order):
     from goat_dist.data import shard_index
 
     n_windows = PackedBatches(resolve_sources([data_a], "train"), 16, 4).windows_per_epoch[0]
     steps = n_windows // 4 + 30  # crosses into epoch 1
-    full = batches(loader([data_a]), steps)
+    full = batches(loader([data_a], window_order=order), steps)
     k = steps - 20
-    assert same(batches(loader([data_a], start_sample=4 * k), 20), full[k:])
+    assert same(batches(loader([data_a], start_sample=4 * k, window_order=order), 20), full[k:])
 
     opened = []
     real_init = shard_index.ShardFile.__init__
@@ -130,27 +136,32 @@ def test_resume_deep_in_the_stream_is_exact_and_opens_only_needed_shards(data_a,
 
     monkeypatch.setattr(shard_index.ShardFile, "__init__", counting_init)
     t0 = time.perf_counter()
-    batches(loader([data_a], start_sample=4 * 10**8), 1)  # ~200k epochs ahead
+    batches(loader([data_a], start_sample=4 * 10**8, window_order=order), 1)  # ~200k epochs ahead
     assert time.perf_counter() - t0 < 2.0
     assert 1 <= len(opened) <= 4 < len(list(data_a.glob("train-*.tar")))
 
 
-def test_dp_change_on_resume_neither_repeats_nor_skips(data_a):
+@ORDERS
+def test_dp_change_on_resume_neither_repeats_nor_skips(data_a, order):
     """Epoch 0 consumed first with DP=2, then resumed with DP=1: every window exactly once."""
     ds = PackedBatches(resolve_sources([data_a], "train"), 16, 2, seed=3, shuffle_buffer=8)
     n_windows = ds.windows_per_epoch[0]
     B, start = 2, 2 * 2 * 9  # 9 steps at DP=2, micro-batch 2
-    first = [batches(loader([data_a], r, 2, micro_batch_size=B, seed=3), 9) for r in (0, 1)]
+    kw = {"micro_batch_size": B, "seed": 3, "window_order": order}
+    first = [batches(loader([data_a], r, 2, **kw), 9) for r in (0, 1)]
     rest_batches = -(-(n_windows - start) // B)
-    rest = batches(loader([data_a], 0, 1, micro_batch_size=B, seed=3, start_sample=start), rest_batches)
+    rest = batches(loader([data_a], 0, 1, start_sample=start, **kw), rest_batches)
     seen = [int(t) for part in (*first, rest) for b in part for t in b["tokens"][:, 0]][:n_windows]
     assert len(seen) == len(set(seen)) == n_windows
-    uninterrupted = batches(loader([data_a], 0, 1, micro_batch_size=B, seed=3), -(-n_windows // B))
+    uninterrupted = batches(loader([data_a], 0, 1, **kw), -(-n_windows // B))
     assert set(seen) == firsts(uninterrupted)
 
 
-def test_epochs_cover_every_window_then_reshuffle(data_a):
-    ds = PackedBatches(resolve_sources([data_a], "train"), 16, 1, seed=3, shuffle_buffer=8)
+@ORDERS
+def test_epochs_cover_every_window_then_reshuffle(data_a, order):
+    ds = PackedBatches(
+        resolve_sources([data_a], "train"), 16, 1, seed=3, shuffle_buffer=8, window_order=order
+    )
     n = ds.windows_per_epoch[0]
     it = iter(ds)
     epochs = [[int(next(it)["tokens"][0, 0]) for _ in range(n)] for _ in range(2)]
@@ -164,9 +175,10 @@ def _doc_starts(root: Path) -> np.ndarray:
     return np.sort([int(ids[0]) for _, ids in iter_documents(split_shard_paths(root, "train"))])
 
 
-def test_document_masking_positions(data_a):
+@ORDERS
+def test_document_masking_positions(data_a, order):
     starts = _doc_starts(data_a)
-    got = batches(loader([data_a], document_masking=True, seq_len=32), 20)
+    got = batches(loader([data_a], document_masking=True, seq_len=32, window_order=order), 20)
     restarts = continued = 0
     for b in got:
         tok, pos = b["tokens"].numpy(), b["position_ids"].numpy()
@@ -180,11 +192,14 @@ def test_document_masking_positions(data_a):
     assert restarts > 0 and continued > 0
 
 
-def test_mixture_proportions(data_a, data_b, tmp_path):
+@ORDERS
+def test_mixture_proportions(data_a, data_b, tmp_path, order):
     data_c = make_dataset(tmp_path / "c", 45_000, 100, seed=3)
     weights = {0: 0.6, 30_000: 0.3, 45_000: 0.1}
     sources = [{"path": str(p), "weight": w} for p, w in zip((data_a, data_b, data_c), weights.values())]
-    ds = PackedBatches(resolve_sources(sources, "train"), 8, 100, seed=5, shuffle_buffer=4)
+    ds = PackedBatches(
+        resolve_sources(sources, "train"), 8, 100, seed=5, shuffle_buffer=4, window_order=order
+    )
     it = iter(ds)
     first = np.concatenate([next(it)["tokens"][:, 0].numpy() for _ in range(100)])  # 10k samples
     source = np.searchsorted(np.array(list(weights)), first, side="right") - 1
