@@ -227,8 +227,9 @@ def test_two_rank_job_runs_to_completion(cluster, plain):
 def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache):
     """--time=1 on a run far longer than any attempt can hold (10^6 steps): the trainer saves before the
     limit by itself (Slurm's own USR1 moved to 1 s before the end, which it checks only every ~30 s: it
-    may arrive once the save is done, never before it on time), the job requeues itself and the next attempt resumes from that checkpoint and trains on;
-    then this test ends the job. Nothing here depends on how fast the machine trains. Never TIMEOUT."""
+    may arrive once the save is done, never before it on time), the job requeues itself and the next
+    attempt resumes from that checkpoint and trains on; then this test ends the job. Nothing here depends
+    on how fast the machine trains. Never TIMEOUT."""
     run_dir = jobdir / "timelimit"
     args = ["--ntasks=1", "--time=1", "--signal=B:USR1@1", "slurm/train.sbatch", CONFIG]
     job, log = submit(
