@@ -1,10 +1,11 @@
 """The model's shapes, from its config alone: the one place their arithmetic is written.
 
-Padded vocabulary, FFN width, GOAT's prior lanes and the q/k content width they leave, the fused q/k/v
-width, and every parameter's name and TP-local shape (``param_inventory``) in ``model.GPT``'s own
-``named_parameters`` order. The model builds its layers from these numbers, and the planner, the doctor,
-the FLOP count and the HF export size their figures with them, so none of those needs megatron or torch
-to know how large the model is (``tests/unit/test_shapes.py`` checks them against a built model).
+Padded vocabulary, FFN width, GOAT's prior lanes and the q/k content width they leave, the fused q/k/v width
+(and which of its rows a full-width draw keeps, ``qkv_row_spans``), and every parameter's name and TP-local
+shape (``param_inventory``) in ``model.GPT``'s own ``named_parameters`` order. The model builds its layers
+from these numbers, and the planner, the doctor, the FLOP count and the HF export size their figures with
+them, so none of those needs megatron or torch to know how large the model is (``tests/unit/test_shapes.py``
+checks them against a built model).
 
 The standard library only (``goat_dist.config``'s types for annotations): importable where no torch is,
 and by ``config`` itself.
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-KEY_BIAS_LANES = 3  # lanes of the split per-key value u(j): goat.exact.SPLIT_PARTS
+KEY_BIAS_LANES = 3  # lanes of the split per-key value u(j), exact in bf16/fp16: goat.exact.SPLIT_PARTS
+FP32_KEY_BIAS_LANES = 1  # one fp32 lane already holds u(j) to fp32's precision: the reference's 2R+1
+KEY_BIAS_LANE_CHOICES = ("auto", FP32_KEY_BIAS_LANES, KEY_BIAS_LANES)  # model.goat.key_bias_lanes
 SINK_HIDDEN = 4  # goat.prior.SinkMLP's hidden width
 
 
@@ -43,18 +46,52 @@ def ffn_size(cfg: ModelConfig) -> int:
     return 64 * math.ceil(8 * cfg.hidden_size / 3 / 64)
 
 
-def prior_lane_count(pos_rank: int, key_bias: bool) -> int:
-    """Lanes the prior takes from each q/k head: 2R spectral, plus the split per-key value u(j)."""
-    return 2 * pos_rank + (KEY_BIAS_LANES if key_bias else 0)
+def prior_lane_count(pos_rank: int, key_bias: bool, key_lanes: int = KEY_BIAS_LANES) -> int:
+    """Lanes the prior takes from each q/k head: 2R spectral, plus ``key_lanes`` for the per-key value
+    u(j) (3: split into parts exact in bf16/fp16; 1: one lane, exact in fp32 only)."""
+    return 2 * pos_rank + (key_lanes if key_bias else 0)
+
+
+def key_lanes_for(precision: str) -> int:
+    """What ``model.goat.key_bias_lanes=auto`` means under ``train.precision``: 1 for fp32 (the split's
+    extra parts would be identically zero there: two content dims lost per head for nothing), else 3.
+    ``auto`` precision counts as bf16, what it means on CUDA (the planner's assumption); the trainer
+    resolves the precision first, so a CPU run gets fp32's count."""
+    return FP32_KEY_BIAS_LANES if precision == "fp32" else KEY_BIAS_LANES
+
+
+def key_bias_lanes(goat) -> int:
+    """The lanes u(j) takes (``goat``: a ``GoatConfig``): ``model.goat.key_bias_lanes``, or 3 while it is
+    still ``auto`` (no precision known: a model built outside a run, or a checkpoint saved before the
+    key existed, which had 3); exact in every dtype, so an unresolved config never builds a model that
+    is wrong in bf16."""
+    value = goat.key_bias_lanes
+    return KEY_BIAS_LANES if value == "auto" else int(value)
+
+
+def resolve_key_bias_lanes(cfg: ModelConfig, precision: str) -> int:
+    """Fix ``cfg.goat.key_bias_lanes`` for a run of ``precision`` (``auto`` -> ``key_lanes_for``); a
+    concrete value is kept. Called once the precision is known, before the model is built, so the saved
+    config (and every checkpoint's) records the count its tensors were built with."""
+    if cfg.goat.key_bias_lanes == "auto":
+        cfg.goat.key_bias_lanes = key_lanes_for(precision)
+    return int(cfg.goat.key_bias_lanes)
+
+
+def goat_lane_count(cfg: ModelConfig) -> int:
+    """Lanes GOAT's prior takes from each q/k head of ``cfg`` (2R+3, or 2R+1 with one u(j) lane)."""
+    g = cfg.goat
+    return prior_lane_count(g.pos_rank, g.key_bias, key_bias_lanes(g))
 
 
 def head_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(heads, kv heads, head dim, q/k content dims): GOAT's prior takes 2R+3 lanes of each q/k head."""
+    """(heads, kv heads, head dim, q/k content dims): GOAT's prior takes ``goat_lane_count`` lanes of each
+    q/k head."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
     head_dim = cfg.hidden_size // heads
     content = head_dim
     if cfg.position == "goat":
-        content = head_dim - prior_lane_count(cfg.goat.pos_rank, cfg.goat.key_bias)
+        content = head_dim - goat_lane_count(cfg)
     return heads, kv, head_dim, content
 
 
@@ -62,6 +99,29 @@ def grouped_qkv_width(num_kv_heads: int, group: int, content_dim: int, head_dim:
     """Columns of the fused q/k/v projection: per KV head, ``group`` queries and one key of
     ``content_dim`` each, and one value of the full ``head_dim``."""
     return num_kv_heads * ((group + 1) * content_dim + head_dim)
+
+
+def qkv_row_spans(
+    num_kv_heads: int, group: int, content_dim: int, head_dim: int
+) -> list[tuple[int, int, int]]:
+    """Where the rows of a fused q/k/v projection (``grouped_qkv_width`` layout) sit in the same
+    projection at the full head width (``content_dim == head_dim``): ``(row, full-width row, count)``
+    runs, adjacent runs merged. Each q/k head keeps its first ``content_dim`` rows (GOAT's lanes are the
+    rest, as in the reference, which projects the full head and drops the lanes), every v row is kept.
+
+    Why: the initial weights are drawn at the full width and these rows kept, so every position scheme
+    starts from the same q/k/v values (``model.gpt.init_shards_``); GOAT differs only by its prior."""
+    spans: list[tuple[int, int, int]] = []
+    row = full = 0
+    for _ in range(num_kv_heads):
+        for count in [content_dim] * (group + 1) + [head_dim]:
+            last = spans[-1] if spans else None
+            if last and last[0] + last[2] == row and last[1] + last[2] == full:
+                spans[-1] = (last[0], last[1], last[2] + count)
+            else:
+                spans.append((row, full, count))
+            row, full = row + count, full + head_dim
+    return spans
 
 
 def qkv_width(cfg: ModelConfig) -> int:

@@ -37,6 +37,7 @@ SHAPE_KEYS = (
     "goat.pos_rank",
     "goat.abs_rank",
     "goat.key_bias",
+    "goat.key_bias_lanes",  # u(j)'s lanes: the q/k content width (compared as the count it builds)
 )
 RESUME, INIT_FROM = "resume", "init_from"
 
@@ -44,11 +45,16 @@ RESUME, INIT_FROM = "resume", "init_from"
 def _flat(model: dict) -> dict:
     """A model section as ``{key: value}`` with ``goat.*`` keys, over the defaults (older configs lack
     keys added since)."""
-    from ..config import ModelConfig
+    from ..config import GoatConfig, ModelConfig
+    from ..shapes import key_bias_lanes
 
     merged = dataclasses.asdict(ModelConfig())
     goat = {**merged.pop("goat"), **(model.get("goat") or {})}
     merged.update({k: v for k, v in model.items() if k != "goat"})
+    # the lanes u(j) takes, only where they shape q/k (a GOAT model with the sink); auto (an older
+    # checkpoint, or no precision known) builds 3
+    lanes = key_bias_lanes(GoatConfig(key_bias_lanes=goat.get("key_bias_lanes", "auto")))
+    goat["key_bias_lanes"] = lanes if merged.get("position") == "goat" and goat.get("key_bias") else None
     return {**merged, **{f"goat.{k}": v for k, v in goat.items()}}
 
 

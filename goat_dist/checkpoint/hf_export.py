@@ -24,7 +24,7 @@ import torch
 
 from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME
 
-from ..shapes import ffn_size, head_dims, padded_vocab_size
+from ..shapes import ffn_size, head_dims, key_bias_lanes, padded_vocab_size
 from . import tensor_file
 from .errors import CheckpointError
 
@@ -212,6 +212,7 @@ def _remote_config(cfg, dtype: str, special: dict) -> dict:
         "goat_pos_base": g.pos_base,
         "goat_abs_base": g.abs_base,
         "goat_key_bias": g.key_bias,
+        "goat_key_bias_lanes": key_bias_lanes(g),  # the saved count; a config from before the key: 3
         "goat_train_len": g.train_len or cfg.seq_len,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,

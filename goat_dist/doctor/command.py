@@ -82,6 +82,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"goat-dist doctor: {e}", file=sys.stderr)
         return 2
+    from ..shapes import resolve_key_bias_lanes
+
+    resolve_key_bias_lanes(cfg.model, cfg.train.precision)  # GOAT's lanes as the planner sizes them
     import torch
 
     cuda = torch.cuda.is_available()

@@ -35,12 +35,12 @@ def goat_attention(
     per-sequence constant the recency is measured from (default: from ``position_ids``; a
     context-parallel rank passes the whole row's, see ``sequence_origin``).
 
-    ``eager`` adds the explicit log-prior matrix; the other backends append ``prior.num_lanes`` lanes to
-    q and k, so one unmodified kernel call computes content + prior with no bias tensor. The lanes are
+    ``eager`` adds the explicit log-prior matrix; the other backends append ``prior.lane_count(dtype)`` lanes
+    to q and k, so one unmodified kernel call computes content + prior with no bias tensor. The lanes are
     built for the kernel's input dtype (q's), exact in bf16/fp16 up to one rounding of per-head spectral
-    coefficients. The prior is not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and
-    the lanes carry ``sqrt(d_c)``. Usually ``d_c + num_lanes == D_v`` (flash-attn 2 wants equal head
-    dims); a module converted from the reference keeps the reference's ``d_c`` and has wider q/k.
+    coefficients. The prior is not divided by the temperature: the kernel's scale is ``1/sqrt(d_c)`` and the
+    lanes carry ``sqrt(d_c)``. Usually ``d_c + num_lanes == D_v`` (flash-attn 2 wants equal head dims); a
+    module converted from the reference keeps the reference's ``d_c`` and has q/k two lanes wider in bf16.
     """
     q, k, scale, bias = goat_kernel_inputs(
         q_content, k_content, prior, position_ids, causal=causal, backend=backend, origin=origin
@@ -51,11 +51,13 @@ def goat_attention(
 class GoatSelfAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention with a learned GOAT prior.
 
-    ``embed_dim / num_heads`` is the head dim D. By default the prior's lanes (``2*pos_rank + 3`` with
-    the key bias, see ``GoatPrior``) are taken out of D and the rest (``content_dim``) carry q/k content,
-    so q, k and v share one head dim (what flash-attn 2 needs). ``content_dim`` can be set instead, q/k
-    then being ``content_dim + lanes`` wide: ``from_reference`` keeps the reference's ``D - 2R - 1``
-    content dims, which its single sink lane left room for. Values keep all D lanes.
+    ``embed_dim / num_heads`` is the head dim D. By default the prior's lanes (``2*pos_rank + key_lanes``
+    with the key bias, see ``GoatPrior``) are taken out of D and the rest (``content_dim``) carry q/k
+    content, so q, k and v share one head dim (what flash-attn 2 needs). ``key_lanes``: 3 (default) keeps
+    u(j) exact in bf16/fp16, 1 suffices in fp32, None follows the kernel dtype (1 in fp32, 3 below).
+    ``content_dim`` can be set instead, q/k then being ``content_dim + lanes`` wide: ``from_reference``
+    keeps the reference's ``D - 2R - 1`` content dims with ``key_lanes=None``, so q/k are D wide in fp32
+    (the reference's layout, no padding lanes) and D + 2 in bf16. Values keep all D lanes.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class GoatSelfAttention(nn.Module):
         dropout: float = 0.0,
         backend: str = "auto",
         content_dim: int | None = None,
+        key_lanes: int | None = 3,
     ):
         super().__init__()
         kv_heads = kv_heads or num_heads
@@ -97,6 +100,7 @@ class GoatSelfAttention(nn.Module):
             key_bias=key_bias,
             training_seq_len=training_seq_len,
             prior_init=prior_init,
+            key_lanes=key_lanes,
         )
         self.content_dim = self.head_dim - self.prior.num_lanes if content_dim is None else content_dim
         if self.content_dim < 1:

@@ -5,9 +5,10 @@ two equivalent forms:
 
 * ``lanes``: query and key lanes whose dot product, times the kernel's softmax scale, equals ``K_ij``
   up to a per-row constant, so one unmodified attention kernel computes content + prior with no L x L
-  bias tensor. ``2R`` spectral lanes carry K_rel; ``SPLIT_PARTS`` (3) lanes carry the per-key value u(j)
-  split into parts the kernel's dtype holds exactly (see ``exact.py``): ``2R + 3`` lanes with the sink,
-  ``2R`` without;
+  bias tensor. ``2R`` spectral lanes carry K_rel; ``key_lanes`` lanes carry the per-key value u(j)
+  split into parts the kernel's dtype holds exactly (see ``exact.py``): 3 for bf16/fp16 (``2R + 3``
+  lanes), 1 where the kernel computes in fp32 (``2R + 1``, the reference's count: the other parts would
+  be identically zero), ``2R`` without the sink;
 * ``log_prior``: the explicit ``(B, H_kv, L, L)`` matrix, for the eager reference kernel and for plots.
 
 Numerics follow the reference (``goat-attention`` 0.1.1) feature by feature, with deliberate changes
@@ -16,7 +17,7 @@ for low precision and long sequences:
 * the causal recency term ``slope * t_j`` is stored as ``slope * (t_j - origin)``, ``origin`` the
   middle of the sequence's positions (``sequence_origin``; softmax ignores the per-row constant), so it
   is bounded by ``slope * L / 2`` at any absolute offset instead of growing with the position;
-* u(j), recency included, reaches the kernel as 3 exactly-representable parts with an exact query side,
+* u(j), recency included, reaches a 16-bit kernel as 3 exactly-representable parts with an exact query side,
   so bf16 and fp16 kernels see it to 2^-27 of its size instead of a staircase of bf16 steps (one bf16
   lane is off by several logits inside one 16k sequence);
 * Fourier phases are formed in fp64 from the global positions, so the spectral lanes are bounded values
@@ -146,8 +147,15 @@ class GoatPrior(nn.Module):
         init_scale: float = 1e-3,
         head_offset: int = 0,
         total_kv_heads: int | None = None,
+        key_lanes: int | None = SPLIT_PARTS,
     ):
+        """``init_scale``: std of the sink MLP's initial weights (``model.goat.sink_init_std``).
+        ``key_lanes``: u(j)'s lanes, 1 to ``SPLIT_PARTS``; None: as many as the kernel's dtype needs
+        (1 in fp32/fp64, ``SPLIT_PARTS`` in bf16/fp16), for a standalone layer whose q/k width may
+        follow the dtype (``from_reference``); a model with fixed q/k shapes gives a number."""
         super().__init__()
+        if key_lanes is not None and not 1 <= key_lanes <= SPLIT_PARTS:
+            raise ValueError(f"key_lanes must be 1..{SPLIT_PARTS} or None, got {key_lanes}")
         if pos_rank < 0 or abs_rank < 0:
             raise ValueError(f"pos_rank and abs_rank must be >= 0, got {pos_rank}, {abs_rank}")
         if prior_init not in ("seeded", "uniform"):
@@ -163,7 +171,9 @@ class GoatPrior(nn.Module):
         self.init_scale = init_scale
         self.head_offset = head_offset
         self.total_kv_heads = total_kv_heads or num_kv_heads
-        self.num_lanes = prior_lane_count(pos_rank, key_bias)
+        self.key_lanes = key_lanes
+        # the widest the lanes get (the 16-bit count when key_lanes is None): what q/k must make room for
+        self.num_lanes = prior_lane_count(pos_rank, key_bias, key_lanes or SPLIT_PARTS)
 
         self.register_buffer("rel_freqs", geometric_frequencies(pos_rank, pos_base), persistent=False)
         self.register_buffer("abs_freqs", geometric_frequencies(abs_rank, abs_base), persistent=False)
@@ -263,6 +273,19 @@ class GoatPrior(nn.Module):
             return self.sink_mlp(feats)
 
     # ---- folded form -------------------------------------------------------------------------------
+    def key_parts(self, dtype: torch.dtype) -> int:
+        """u(j)'s lanes for a kernel of ``dtype`` (0 without the sink): ``key_lanes``, or with None
+        1 for fp32/fp64 (one lane holds u(j) to the kernel's own precision) and ``SPLIT_PARTS`` below."""
+        if not self.key_bias:
+            return 0
+        if self.key_lanes is not None:
+            return self.key_lanes
+        return 1 if dtype.itemsize >= 4 else SPLIT_PARTS
+
+    def lane_count(self, dtype: torch.dtype) -> int:
+        """Lanes ``lanes(..., dtype=dtype)`` returns: ``num_lanes`` unless ``key_lanes`` is None."""
+        return 2 * self.pos_rank + self.key_parts(dtype)
+
     def lanes(
         self,
         position_ids: torch.Tensor,
@@ -279,7 +302,8 @@ class GoatPrior(nn.Module):
         lanes carry its inverse. Spectral lanes: query ``(a cos + b sin) / scale`` (one rounding of a
         per-head coefficient times a bounded value), key ``cos(w t_j)`` from global positions. Per-key
         lanes: query ``LANE_QUERY`` (exact), key ``u_j / (scale * LANE_QUERY)`` split into
-        ``SPLIT_PARTS`` parts exact in ``dtype`` (``split_exact``).
+        ``key_parts(dtype)`` parts exact in ``dtype`` (``split_exact``); with one part in a 16-bit dtype
+        (a ``key_lanes=1`` model run in bf16) u(j) is rounded once, as the reference rounds it.
         """
         B, L = position_ids.shape
         H, R = self.num_kv_heads, self.pos_rank
@@ -293,9 +317,10 @@ class GoatPrior(nn.Module):
             q_parts += [a * cos + b * sin, a * sin - b * cos]
             k_parts += [cos.expand(B, L, H, R), sin.expand(B, L, H, R)]
         if self.key_bias:
+            parts = self.key_parts(dtype)
             u = self.sink(position_ids, causal, origin) / (scale * LANE_QUERY)
-            q_parts.append(torch.full((B, L, H, SPLIT_PARTS), LANE_QUERY, dtype=cdt, device=u.device))
-            k_parts.append(split_exact(u, dtype))
+            q_parts.append(torch.full((B, L, H, parts), LANE_QUERY, dtype=cdt, device=u.device))
+            k_parts.append(split_exact(u, dtype, parts))
         if not q_parts:
             empty = torch.zeros(B, L, H, 0, dtype=dtype, device=position_ids.device)
             return empty, empty
@@ -322,5 +347,6 @@ class GoatPrior(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"kv_heads={self.num_kv_heads}, R={self.pos_rank}, M={self.abs_rank}, key_bias={self.key_bias}, "
-            f"L_train={self.training_seq_len}, init={self.prior_init}"
+            f"key_lanes={self.key_lanes or 'by dtype'}, L_train={self.training_seq_len}, "
+            f"init={self.prior_init}"
         )

@@ -2,8 +2,10 @@
 
 The reference projects q and k to the full head dim and then drops their last ``2R+1`` lanes; only the
 content rows are copied, into the grouped fused layout of ``split_grouped_qkv``. The converted module
-keeps the reference's content dim ``D - 2R - 1`` and appends its own ``2R + 3`` lanes, so its q/k are two
-lanes wider than v (the flash path pads v; sdpa and eager take unequal head dims).
+keeps the reference's content dim ``D - 2R - 1``. By default (``key_lanes=None``) its u(j) takes as many
+lanes as the kernel dtype needs: one in fp32, so q/k are the reference's D wide with no padding lane;
+three in bf16/fp16 (exact there, where the reference's single lane is not), q/k then two lanes wider
+than v (the flash path pads v; sdpa and eager take unequal head dims).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ def _reference_projections(ref) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def from_reference(ref, backend: str = "auto") -> GoatSelfAttention:
+def from_reference(ref, backend: str = "auto", key_lanes: int | None = None) -> GoatSelfAttention:
     """A ``GoatSelfAttention`` computing the same function as ``ref`` (1-D positions, self-attention).
+
+    ``key_lanes``: u(j)'s lanes (``GoatPrior``); None follows the dtype (module docstring), 1 is the
+    reference's own layout in every dtype, 3 keeps u(j) exact in bf16 at a fixed q/k width of D + 2.
 
     Unsupported reference features (bias_kv, zero_attn, prior gate, 2-D positions, cross-attention
     dims, a prior scale other than 1) raise instead of being silently dropped.
@@ -60,6 +65,7 @@ def from_reference(ref, backend: str = "auto") -> GoatSelfAttention:
         bias=bq is not None,
         backend=backend,
         content_dim=ref.content_dim,
+        key_lanes=key_lanes,
     ).to(device=wq.device)
     H, G, D, dc = ref.num_heads, ref.kv_num_heads, ref.head_dim, ref.content_dim
     group = H // G

@@ -18,7 +18,7 @@ from ..goat import split_grouped_qkv
 from ..kernels import attend, resolve_backend
 from ..parallel.context import ContextShard, attend_context
 from ..parallel.model_parallel import plain_call
-from ..shapes import grouped_qkv_width, head_dims
+from ..shapes import grouped_qkv_width, head_dims, qkv_row_spans
 from .compile import ColumnParallelLinear, RowParallelLinear
 from .positions import build_position
 
@@ -53,6 +53,12 @@ class ParallelSelfAttention(nn.Module):
             init_method=init_method,
             bias=cfg.bias,
             gather_output=False,
+        )
+        # drawn at the full head width whatever the scheme, GOAT keeping each q/k head's content rows
+        # (``gpt.init_shards_``): GOAT, ALiBi, RoPE and NoPE start from the same q/k/v weights
+        self.qkv.full_width_rows = (
+            grouped_qkv_width(self.local_kv_heads, self.group, self.head_dim, self.head_dim),
+            qkv_row_spans(self.local_kv_heads, self.group, self.content_dim, self.head_dim),
         )
         self.proj = RowParallelLinear(
             heads * self.head_dim,

@@ -126,22 +126,33 @@ def _fill_normal_span_(out, dim: int, full: int, start: int, std: float, seeds) 
 
 
 @torch.no_grad()
-def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) -> None:
+def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds, full_width_rows=None) -> None:
     """Fill this rank's TP shard of a weight split along ``dim`` (megatron's ``stride``-interleaved
     split) with the values the whole weight would have at any TP size: every value depends only on its
     global position (``_fill_normal_span_``), and a rank draws only its own shard, on the weight's device,
-    in place."""
+    in place.
+
+    ``full_width_rows`` (dim 0, stride 1: GOAT's fused q/k/v): ``(rows, spans)``, the shard's row count
+    at the full head width and ``shapes.qkv_row_spans``; the shard then holds those rows of the
+    full-width weight, so its values are the other position schemes' (and still TP-independent: a rank
+    owns whole KV groups, so its full-width rows are the rank-th slice of the full-width weight)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     if weight.device.type == "meta":  # shapes only (the planner's dry run): nothing to draw
         if not hasattr(weight, "tensor_model_parallel"):
             tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
         return
-    full = weight.shape[dim] * tp
-    chunk = full // (tp * stride)  # megatron's split: rank r holds chunks r, r + tp, ... of the full weight
-    for s in range(stride):
-        piece = weight.narrow(dim, s * chunk, chunk)
-        _fill_normal_span_(piece, dim, full, (s * tp + rank) * chunk, std, seeds)
+    if full_width_rows is not None:
+        assert dim == 0 and stride == 1, (dim, stride)
+        rows, spans = full_width_rows
+        for row, wide, count in spans:  # one run of kept rows at a time: no full-width copy is held
+            _fill_normal_span_(weight.narrow(0, row, count), 0, rows * tp, rank * rows + wide, std, seeds)
+    else:
+        full = weight.shape[dim] * tp
+        chunk = full // (tp * stride)  # megatron's split: rank r holds chunks r, r + tp, ... of the weight
+        for s in range(stride):
+            piece = weight.narrow(dim, s * chunk, chunk)
+            _fill_normal_span_(piece, dim, full, (s * tp + rank) * chunk, std, seeds)
     if not hasattr(weight, "tensor_model_parallel"):
         tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
 
@@ -149,9 +160,10 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds) 
 def init_shards_(part: nn.Module, base_seed: int, std: float, out_std: float, index: int) -> int:
     """Initialise the megatron TP layers of ``part``, each rank only its shards, to the same values for
     every TP size (``init_shard_``): N(0, std), N(0, out_std) for the output projections of the residual
-    branches (the row-parallel layers), zero biases. Layers are numbered in module order from ``index``
-    (the same at every TP size, and the same whether the model is initialised whole or part by part);
-    returns the next number."""
+    branches (the row-parallel layers), zero biases. The fused q/k/v is drawn at the full head width
+    (``full_width_rows``), so the position schemes share every weight but GOAT's prior. Layers are
+    numbered in module order from ``index`` (the same at every TP size, and the same whether the model is
+    initialised whole or part by part); returns the next number."""
     layers = (tensor_parallel.VocabParallelEmbedding, tensor_parallel.ColumnParallelLinear)
     for module in part.modules():
         row = isinstance(module, tensor_parallel.RowParallelLinear)
@@ -159,7 +171,8 @@ def init_shards_(part: nn.Module, base_seed: int, std: float, out_std: float, in
             continue
         stride = getattr(module, "weight_stride", 1)
         seeds = lambda block, index=index: _block_seed(base_seed, index, block)
-        init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds)
+        wide = getattr(module, "full_width_rows", None)
+        init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds, wide)
         if getattr(module, "bias", None) is not None:
             with torch.no_grad():
                 module.bias.zero_()

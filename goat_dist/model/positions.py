@@ -22,6 +22,7 @@ from torch import nn
 
 from ..goat import GoatPrior, alibi_slopes, fold_prior, goat_kernel_inputs
 from ..kernels import FLASH4_ALIBI_ERROR, alibi_bias
+from ..shapes import key_bias_lanes
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +154,10 @@ def build_position(cfg, *, head_dim: int, tp: int = 1, tp_rank: int = 0) -> Posi
             key_bias=g.key_bias,
             training_seq_len=g.train_len or cfg.seq_len,
             prior_init=g.prior_init,
+            init_scale=g.sink_init_std,
             head_offset=tp_rank * local_kv,
             total_kv_heads=kv_heads,
+            key_lanes=key_bias_lanes(g),  # fixed by the config (q/k shapes depend on it), auto read as 3
         )
         return Goat(head_dim, prior)
     if cfg.position == "rope":

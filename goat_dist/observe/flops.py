@@ -13,10 +13,10 @@ fused ops do not count). The convention (Kaplan et al. / PaLM appendix B, with t
 * ``6 * h * V_pad``: the logits matmul (tied or not), over the padded vocabulary it really multiplies.
 * attention scores and the weighted sum: per query head ``2 * d_qk`` FLOPs per (query, key) pair for
   ``q.k`` and ``2 * d_v`` for ``p.v``, forward; times 3 for training. ``d_qk`` is the head dim the kernel
-  sees: for GOAT the content dims plus the ``2R + 3`` prior lanes, i.e. the full head dim, like every other
-  scheme; ``d_v`` is the head dim. **Causal convention**: only unmasked pairs count; query ``i`` sees
-  ``i + 1`` keys, ``(L + 1) / 2`` on average over a window of ``L`` tokens (the non-causal count would be
-  ``L``; kernels that skip masked blocks do roughly this work).
+  sees: for GOAT the content dims plus the ``2R + 3`` (``2R + 1`` with one u(j) lane) prior lanes, i.e. the
+  full head dim, like every other scheme; ``d_v`` is the head dim. **Causal convention**: only unmasked pairs
+  count; query ``i`` sees ``i + 1`` keys, ``(L + 1) / 2`` on average over a window of ``L`` tokens (the
+  non-causal count would be ``L``; kernels that skip masked blocks do roughly this work).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from ..config import Config
 from ..distributed import LayoutError, check_layout
 from .hardware import GIB
 from .memory import _ceil_div, _cp, _flat_partition, param_inventory, state_bytes, total_params
-from .planner import PlanError, memory_at
+from .planner import PlanError, memory_at, planned_config
 
 
 class DryRunError(RuntimeError):
@@ -155,6 +155,7 @@ def materialize(cfg: Config, world: int, log=print) -> dict:
 
     if dist.is_initialized():
         raise PlanError("--materialize needs a process without a torch.distributed world")
+    cfg = planned_config(cfg)  # precision and GOAT's lanes as the planner (and a GPU run) resolve them
     m, tp, cp = cfg.model, cfg.parallel.tp, _cp(cfg)
     if cp != 1:
         raise PlanError("--materialize builds TP x DP layouts; parallel.cp > 1 is not built yet")

@@ -14,6 +14,7 @@ from ..distributed import check_layout
 from ..observe.flops import flops_per_token
 from ..precision import resolve_precision
 from ..rampup import ramp_sizes
+from ..shapes import resolve_key_bias_lanes
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
 from .memory import (
@@ -49,6 +50,16 @@ def _with(cfg: Config, **train) -> Config:
     out = copy.deepcopy(cfg)
     for key, value in train.items():
         setattr(out.train, key, value)
+    return out
+
+
+def planned_config(cfg: Config) -> Config:
+    """``cfg`` as the trainer runs it on GPUs, a copy: ``train.precision=auto`` as what it means on CUDA
+    (bf16) and ``model.goat.key_bias_lanes=auto`` as that precision's count (``shapes.key_lanes_for``),
+    so the plan sizes the q/k projections the run will build."""
+    out = copy.deepcopy(cfg)
+    out.train.precision = resolve_precision(out.train.precision, "cuda")
+    resolve_key_bias_lanes(out.model, out.train.precision)
     return out
 
 
@@ -213,8 +224,7 @@ def make_plan(
     file-system write bandwidth (GB/s) for the checkpoint's save time."""
     world = nodes * gpus_per_node
     auto = cfg.train.precision == "auto"
-    if auto:  # the planner plans for GPUs: what auto means on CUDA
-        cfg = _with(cfg, precision=resolve_precision("auto", "cuda"))
+    cfg = planned_config(cfg)  # the planner plans for GPUs: what auto means on CUDA (lanes included)
     layout = layout_of(cfg, world)
     dp = layout["dp"]
     replicas = dp * layout["cp"]  # ZeRO partitions over DP x CP (parallel/parallelize.py)

@@ -21,10 +21,10 @@ from goat_dist.goat import GoatPrior, prior_lane_count, sequence_origin, split_e
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # max relative rounding error
 
 
-def perturbed_prior(heads=4, R=4, M=4, seed=0) -> GoatPrior:
+def perturbed_prior(heads=4, R=4, M=4, seed=0, key_lanes=3) -> GoatPrior:
     """A prior with every term of trained size: slopes up to ~0.7, lambdas ~0.3, a strong sink MLP."""
     torch.manual_seed(seed)
-    prior = GoatPrior(heads, pos_rank=R, abs_rank=M, training_seq_len=2048)
+    prior = GoatPrior(heads, pos_rank=R, abs_rank=M, training_seq_len=2048, key_lanes=key_lanes)
     with torch.no_grad():
         prior.lambda_sym.normal_(std=0.3)
         prior.lambda_asym.normal_(std=0.3)
@@ -195,3 +195,63 @@ def test_config_counts_the_same_lanes():
     with pytest.raises(ConfigError, match="content lanes"):
         load_config(None, [f"model.hidden_size={8 * lanes}", "model.num_heads=8", "model.goat.pos_rank=2"])
     load_config(None, [f"model.hidden_size={8 * (lanes + 1)}", "model.num_heads=8", "model.goat.pos_rank=2"])
+
+
+# ---- one u(j) lane where the kernel computes in fp32 (the reference's 2R+1) ------------------------------
+@pytest.mark.parametrize("R,key_bias", [(4, True), (2, True), (0, True), (4, False)])
+def test_fp32_lane_count_is_the_references_pos_dim(R, key_bias):
+    """Under fp32 (``model.goat.key_bias_lanes=auto``) the prior takes the reference's ``pos_dim`` lanes
+    of each head, so a GOAT model keeps the reference's content width; bf16 keeps two more."""
+    goat = pytest.importorskip("goat.attention", reason="test dependency goat-attention is not installed")
+    from goat_dist import shapes
+
+    ref = goat.GoatAttention(
+        embed_dim=128, num_heads=4, pos_rank=R, abs_rank=4, enable_key_bias=key_bias, training_seq_len=64
+    )
+    fp32 = shapes.prior_lane_count(R, key_bias, shapes.key_lanes_for("fp32"))
+    assert fp32 == ref.pos_dim
+    assert shapes.prior_lane_count(R, key_bias, shapes.key_lanes_for("bf16")) == ref.pos_dim + 2 * key_bias
+    flag = str(key_bias).lower()
+    cfg = load_config(None, ["model.hidden_size=128", "model.num_heads=4", f"model.goat.pos_rank={R}",
+                             f"model.goat.key_bias={flag}", "train.precision=fp32"])  # fmt: skip
+    shapes.resolve_key_bias_lanes(cfg.model, cfg.train.precision)
+    assert shapes.head_dims(cfg.model)[3] == ref.content_dim
+    assert GoatPrior(4, R, 4, key_bias=key_bias, key_lanes=1).num_lanes == ref.pos_dim
+
+
+def test_from_reference_maps_with_no_padding_lanes():
+    """``from_reference`` keeps the reference's content dims; in fp32 its q/k are the reference's head
+    dim wide (one u(j) lane, as the reference), in bf16 two lanes wider (the exact split)."""
+    goat = pytest.importorskip("goat.attention", reason="test dependency goat-attention is not installed")
+    from goat_dist.goat import fold_prior, from_reference
+
+    torch.manual_seed(0)
+    ref = goat.GoatAttention(embed_dim=128, num_heads=4, kv_num_heads=2, pos_rank=4, abs_rank=4,
+                             training_seq_len=64, batch_first=True)  # fmt: skip
+    mod = from_reference(ref, backend="sdpa")
+    assert mod.content_dim == ref.content_dim and mod.prior.lane_count(torch.float32) == ref.pos_dim
+    pos = torch.arange(16)[None]
+    for dtype, width in ((torch.float32, ref.head_dim), (torch.bfloat16, ref.head_dim + 2)):
+        q = torch.zeros(1, 16, 4, mod.content_dim, dtype=dtype)
+        k = torch.zeros(1, 16, 2, mod.content_dim, dtype=dtype)
+        q, k = fold_prior(q, k, mod.prior, pos, causal=True)
+        assert q.shape[-1] == k.shape[-1] == width, dtype
+    x = torch.randn(2, 16, 128)
+    with torch.no_grad():
+        want, _ = ref(x, x, x, is_causal=True, need_weights=False)
+        assert (mod(x) - want).abs().max().item() < 1e-5
+
+
+def test_one_key_lane_is_the_split_in_fp32():
+    """In fp32 the split's second and third parts are identically zero: one lane carries the same u(j),
+    so the 2R+1 layout computes the 2R+3 one's prior exactly; in bf16 only the split keeps it exact."""
+    three, one = perturbed_prior(heads=2), perturbed_prior(heads=2, key_lanes=1)
+    pos = (torch.arange(2048) + 1000)[None]
+    q3, k3 = three.lanes(pos, causal=True, scale=0.125, dtype=torch.float32)
+    q1, k1 = one.lanes(pos, causal=True, scale=0.125, dtype=torch.float32)
+    assert q1.shape[-1] == one.num_lanes == q3.shape[-1] - 2
+    assert torch.equal(q1, q3[..., :-2]) and torch.equal(k1, k3[..., :-2]) and not k3[..., -2:].any()
+    rows = torch.tensor([2047, 1024])
+    err1, _ = lane_error(one, pos[0], rows, torch.bfloat16)
+    err3, _ = lane_error(three, pos[0], rows, torch.bfloat16)
+    assert err1 > 10 * err3, (err1, err3)  # one bf16 lane rounds u(j): the reason bf16 keeps three

@@ -19,8 +19,10 @@ from goat_dist.model import GPT
 from goat_dist.parallel.parallelize import parallelize
 
 
-def test_export_load_logits_match_training_model(world1, tmp_path):
-    cfg = one_layer_config("model.num_layers=2")
+@pytest.mark.parametrize("lanes", ["auto", 1], ids=["auto-lanes", "one-key-lane"])
+def test_export_load_logits_match_training_model(world1, tmp_path, lanes):
+    """Also with one u(j) lane (the fp32 layout): the saved config's lane count rebuilds the same model."""
+    cfg = one_layer_config("model.num_layers=2", f"model.goat.key_bias_lanes={lanes}")
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
@@ -37,7 +39,8 @@ def test_export_load_logits_match_training_model(world1, tmp_path):
     assert info["valid"] and info["step"] == 3 and info["universal"] and info["format"] == 2
 
     out = export(tmp_path / "run", tmp_path / "exported")
-    assert json.loads((out / "config.json").read_text())["hidden_size"] == 64
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["hidden_size"] == 64 and saved["goat"]["key_bias_lanes"] == lanes
     loaded, _ = load_exported(out)
     with torch.no_grad():
         expected = model.eval()(tokens[:, :-1], positions)[..., :300]

@@ -34,6 +34,8 @@ VARIANTS = {
         "model.bias=true",
     ],
     "goat": ["model.position=goat", "model.num_kv_heads=2"],
+    # one u(j) lane (what model.goat.key_bias_lanes=auto builds under fp32: the reference's 2R+1)
+    "goat-one-lane": ["model.position=goat", "model.num_kv_heads=2", "model.goat.key_bias_lanes=1"],
     "alibi": [
         "model.position=alibi",
         "model.activation=gelu",
@@ -111,11 +113,14 @@ def test_rope_exports_as_a_plain_llama(exported):
     assert (got - _goat_logits(model, tokens, positions)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("position", ["goat", "alibi", "none", "learned", "goat-no-sink", "goat-slope-only"])
+@pytest.mark.parametrize(
+    "position", ["goat", "goat-one-lane", "alibi", "none", "learned", "goat-no-sink", "goat-slope-only"]
+)
 def test_remote_code_logits_match(exported, position):
     model, out = exported[position]
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_goat.GoatForCausalLM"
+    assert config["goat_key_bias_lanes"] == (1 if position == "goat-one-lane" else 3)  # auto, unresolved: 3
     for name in ("modeling_goat.py", "configuration_goat.py"):
         assert "SPDX-License-Identifier: Apache-2.0" in (out / name).read_text()
         assert "goat_dist" not in (out / name).read_text().replace("goat_dist_", "").replace(
@@ -134,7 +139,7 @@ def test_remote_code_logits_match(exported, position):
         assert (got - _goat_logits(model, tokens, positions)).abs().max().item() <= 1e-5, start
 
 
-@pytest.mark.parametrize("position", ["goat", "alibi"])
+@pytest.mark.parametrize("position", ["goat", "goat-one-lane", "alibi"])
 def test_cached_generation_equals_uncached(exported, position):
     """Greedy generate with the HF cache equals it without (every step re-run), and equals goat-dist's own
     greedy decoding; GOAT runs past its training length (32)."""
@@ -142,7 +147,7 @@ def test_cached_generation_equals_uncached(exported, position):
     hf = _load(out)
     torch.manual_seed(3)
     prompt = torch.randint(0, model.vocab_size, (2, 20))
-    new = 16 if position == "goat" else 10
+    new = 16 if position.startswith("goat") else 10
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     mask = torch.ones_like(prompt)
     with torch.no_grad():

@@ -14,6 +14,7 @@ from goat_dist.checkpoint.extension import init_weights
 from goat_dist.config import ModelConfig
 from goat_dist.model import GPT
 from goat_dist.parallel.parallelize import parallelize
+from goat_dist.shapes import resolve_key_bias_lanes
 from goat_dist.trainer import Trainer
 from goat_dist.trainer.entry import exit_code_for
 
@@ -43,6 +44,17 @@ def test_resume_into_another_model_names_the_keys_and_the_fix(trained):
     assert "model.hidden_size 64 -> 128, model.num_heads 4 -> 8" in message
 
 
+def test_a_resume_under_bf16_that_would_change_goats_lanes_is_refused(trained):
+    """The fixture trained under fp32: u(j) on one lane (2R+1). Under bf16 auto builds 2R+3, another q/k
+    shape: refused before the model is built, naming the key, both lane counts and the fix."""
+    cache, run_dir = trained
+    message = refusal(in_process_config(cache, run_dir, "train.precision=bf16", "train.max_steps=2"))
+    assert "cannot resume from" in message, message
+    assert "model.goat.key_bias_lanes is 1 there (9 = 2R+1" in message, message
+    assert "3 here (11 = 2R+3, auto under train.precision=bf16)" in message, message
+    assert "Set model.goat.key_bias_lanes=1 to continue it" in message and "blocks." not in message
+
+
 def test_a_vocabulary_change_says_the_embeddings_belong_to_another_tokenizer(trained):
     cache, run_dir = trained
     message = refusal(in_process_config(cache, run_dir, "model.vocab_size=8192", "train.max_steps=2"))
@@ -60,6 +72,7 @@ def test_init_from_another_model_names_the_keys_and_the_fix(trained, tmp_path):
 
 def _engine(cache, run_dir, *overrides):
     cfg = in_process_config(cache, run_dir, "train.max_steps=2", *overrides)
+    resolve_key_bias_lanes(cfg.model, "fp32")  # GOAT's lanes as the trainer resolved them on this CPU
     torch.manual_seed(0)
     return parallelize(GPT(cfg.model), cfg, grad_accum=1)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from goat_dist import shapes
-from goat_dist.config import load_config
+from goat_dist.config import ConfigError, load_config
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.vocab_size=1000",
          "model.seq_len=32"]  # fmt: skip
@@ -18,6 +18,7 @@ VARIANTS = {
     "goat-gqa-no-sink": ["model.position=goat", "model.num_kv_heads=2", "model.goat.abs_rank=0"],
     "goat-no-key-bias": ["model.position=goat", "model.goat.key_bias=false", "model.goat.pos_rank=2"],
     "goat-no-spectral": ["model.position=goat", "model.goat.pos_rank=0"],
+    "goat-one-key-lane": ["model.position=goat", "model.num_kv_heads=2", "model.goat.key_bias_lanes=1"],
     "rope-gelu-layernorm": [
         "model.position=rope",
         "model.activation=gelu",
@@ -83,6 +84,34 @@ def test_prior_lane_count_by_hand():
     assert shapes.prior_lane_count(4, False) == 8
     assert shapes.prior_lane_count(0, True) == 3
     assert shapes.prior_lane_count(0, False) == 0
+    assert shapes.prior_lane_count(4, True, 1) == 9  # one u(j) lane: the reference's 2R+1
+    assert shapes.prior_lane_count(4, False, 1) == 8
+
+
+def test_key_bias_lanes_auto_follows_the_precision():
+    """auto: 1 lane under fp32 (the split's other parts are identically zero there), 3 under bf16 and
+    under precision auto (what it means on CUDA); unresolved, a config builds the 3 exact everywhere."""
+    assert [shapes.key_lanes_for(p) for p in ("fp32", "bf16", "auto")] == [1, 3, 3]
+    cfg = load_config(None, ["model.hidden_size=64", "model.num_heads=4"]).model
+    assert cfg.goat.key_bias_lanes == "auto" and shapes.key_bias_lanes(cfg.goat) == 3
+    assert shapes.head_dims(cfg) == (4, 4, 16, 16 - 11)
+    assert shapes.resolve_key_bias_lanes(cfg, "fp32") == 1 == cfg.goat.key_bias_lanes
+    assert shapes.head_dims(cfg) == (4, 4, 16, 16 - 9)
+    assert shapes.resolve_key_bias_lanes(cfg, "bf16") == 1  # resolved once: a concrete value is kept
+    fixed = load_config(None, ["model.goat.key_bias_lanes=3"]).model
+    assert shapes.resolve_key_bias_lanes(fixed, "fp32") == 3
+    with pytest.raises(ConfigError, match="model.goat.key_bias_lanes"):
+        load_config(None, ["model.goat.key_bias_lanes=2"])
+
+
+def test_qkv_row_spans_by_hand():
+    """GOAT's fused q/k/v rows within the full-width one (content rows first in every q/k head)."""
+    # 2 KV groups of 2 queries, content 5 of head 8: per group q0 q1 k at 0, 8, 16 and v at 24-31
+    assert shapes.qkv_row_spans(2, 2, 5, 8) == [
+        (0, 0, 5), (5, 8, 5), (10, 16, 5), (15, 24, 13),  # group 0's v and group 1's first q are adjacent
+        (28, 40, 5), (33, 48, 5), (38, 56, 8),
+    ]  # fmt: skip
+    assert shapes.qkv_row_spans(3, 1, 8, 8) == [(0, 0, 72)]  # no lanes: the identity
 
 
 def test_qkv_widths_by_hand():
@@ -147,9 +176,96 @@ def test_shapes_are_the_built_models(world1, variant):
         shapes.grouped_qkv_width(kv, heads // kv, content, head_dim)
         == params["blocks.0.attn.qkv.weight"].shape[0]
     )
-    if cfg.position == "goat":  # the lanes the prior really builds, counted off its output
-        q_lanes, k_lanes = attn.prior.lanes(torch.arange(8)[None], True, scale=1.0)
-        lanes = shapes.prior_lane_count(cfg.goat.pos_rank, cfg.goat.key_bias)
-        assert q_lanes.shape[-1] == k_lanes.shape[-1] == lanes == head_dim - content
+    if cfg.position == "goat":  # the lanes the prior really builds (in every dtype), counted off its output
+        for dtype in (torch.float32, torch.bfloat16):
+            q_lanes, k_lanes = attn.prior.lanes(torch.arange(8)[None], True, scale=1.0, dtype=dtype)
+            lanes = shapes.goat_lane_count(cfg)
+            assert q_lanes.shape[-1] == k_lanes.shape[-1] == lanes == head_dim - content
     for p in shapes.param_inventory(cfg):
         assert p.numel == math.prod(params[p.name].shape)
+
+
+# ---- the lane count: resolved once, sized alike, kept across a start ------------------------------------
+@pytest.mark.parametrize("precision,lanes", [("fp32", 1), ("bf16", 3), ("auto", 3)])
+def test_planner_and_flops_size_the_lanes_the_run_builds(precision, lanes):
+    """The planner resolves auto lanes as the trainer will under its precision (auto: bf16, on CUDA),
+    on a copy; its parameter count and the FLOPs' dense term are those of that model."""
+    import dataclasses
+
+    from goat_dist.observe.flops import flops_per_token
+    from goat_dist.plan.hardware import gpu
+    from goat_dist.plan.planner import make_plan, planned_config
+
+    cfg = load_config(None, [*SMALL, f"train.precision={precision}"])
+    planned = planned_config(cfg)
+    assert planned.model.goat.key_bias_lanes == lanes and cfg.model.goat.key_bias_lanes == "auto"
+    model = dataclasses.replace(cfg.model, goat=dataclasses.replace(cfg.model.goat, key_bias_lanes=lanes))
+    plan = make_plan(cfg, 1, 1, gpu("h100-80gb"))
+    assert plan["params"] == shapes.total_params(model) == shapes.total_params(planned.model)
+    assert flops_per_token(planned.model)["dense"] == 6 * shapes.non_embedding_params(model)
+
+
+def _step_dir(tmp_path, lanes) -> object:
+    """A checkpoint directory whose config.yaml has a GOAT model of ``lanes`` u(j) lanes (None: a
+    checkpoint from before the key)."""
+    import yaml
+
+    step = tmp_path / f"step-{lanes}"
+    step.mkdir()
+    goat = {"pos_rank": 4} if lanes is None else {"pos_rank": 4, "key_bias_lanes": lanes}
+    (step / "config.yaml").write_text(yaml.safe_dump({"model": {"position": "goat", "goat": goat}}))
+    return step
+
+
+def _run(precision: str, lanes="auto"):
+    return load_config(None, [*SMALL, f"train.precision={precision}", f"model.goat.key_bias_lanes={lanes}"])
+
+
+@pytest.mark.parametrize(
+    "saved,precision,expected",
+    [
+        (None, "fp32", 3),
+        (3, "fp32", 3),
+        (1, "fp32", 1),
+        (3, "bf16", 3),
+        ("none", "fp32", 1),
+        ("none", "bf16", 3),
+    ],
+)
+def test_auto_keeps_a_checkpoints_lane_count_where_it_is_exact(tmp_path, saved, precision, expected):
+    """A start from a checkpoint keeps its count where that is exact under the run's precision (3 in
+    any, 1 in fp32; a checkpoint from before the key has 3); no checkpoint: the precision's count."""
+    from goat_dist.checkpoint.extension import resolve_key_bias_lanes
+
+    cfg = _run(precision)
+    start = None if saved == "none" else _step_dir(tmp_path, saved)
+    assert (
+        resolve_key_bias_lanes(cfg, start, log=lambda *a: None) == expected == cfg.model.goat.key_bias_lanes
+    )
+    init = _run(precision)
+    assert resolve_key_bias_lanes(init, None, start, log=lambda *a: None) == expected
+
+
+@pytest.mark.parametrize(
+    "saved,precision,given,why",
+    [(1, "bf16", "auto", "auto under train.precision=bf16"), (3, "fp32", 1, "set in the config")],
+)
+def test_a_start_that_changes_the_lane_count_is_refused_by_name(tmp_path, saved, precision, given, why):
+    """An fp32 (2R+1) checkpoint resumed under bf16 would get 2R+3 lanes (and the converse when the key
+    says so): refused before the model is built, naming the key and both lane counts."""
+    from goat_dist.checkpoint import CheckpointError
+    from goat_dist.checkpoint.extension import resolve_key_bias_lanes
+
+    step = _step_dir(tmp_path, saved)
+    now = 3 if saved == 1 else 1  # the other count
+    for purpose, args, where in (
+        ("resume", (step,), "cannot resume from"),
+        ("init", (None, step), "train.init_from="),
+    ):
+        with pytest.raises(CheckpointError) as caught:
+            resolve_key_bias_lanes(_run(precision, given), *args, log=lambda *a: None)
+        message = str(caught.value)
+        assert message.startswith(where), (purpose, message)
+        assert f"model.goat.key_bias_lanes is {saved} there ({8 + saved} = 2R+{saved}" in message
+        assert f"and {now} here ({8 + now} = 2R+{now}, {why})" in message
+        assert f"Set model.goat.key_bias_lanes={saved} to continue" in message

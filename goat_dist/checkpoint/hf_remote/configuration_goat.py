@@ -35,6 +35,7 @@ class GoatConfig(PretrainedConfig):
         goat_pos_base=10_000.0,
         goat_abs_base=10_000.0,
         goat_key_bias=True,
+        goat_key_bias_lanes=3,  # u(j)'s lanes: 3 (exact in bf16; exports before the key had 3) or 1
         goat_train_len=256,
         initializer_range=0.02,
         tie_word_embeddings=True,
@@ -65,6 +66,7 @@ class GoatConfig(PretrainedConfig):
         self.goat_pos_base = goat_pos_base
         self.goat_abs_base = goat_abs_base
         self.goat_key_bias = goat_key_bias
+        self.goat_key_bias_lanes = goat_key_bias_lanes
         self.goat_train_len = goat_train_len
         self.initializer_range = initializer_range
         self.use_cache = use_cache

@@ -10,8 +10,9 @@ It computes what goat-dist's model computes, the same way, so logits agree to fp
 
 * GOAT: ``softmax_j(q_c,i . k_c,j / sqrt(d_c) + K_ij)`` with ``K_ij = K_rel(t_i - t_j) + u(t_j)``, the
   prior formed in fp32 from fp32 parameters (fp64 Fourier phases) and folded into q/k as extra lanes, so
-  one SDPA call computes content + prior. The per-key value u(j) goes in as 3 lanes each exact in the
-  model's dtype, so a bf16 model sees it to 2^-27 of its size.
+  one SDPA call computes content + prior. The per-key value u(j) goes in as ``goat_key_bias_lanes``
+  lanes each exact in the model's dtype: with 3, a bf16 model sees it to 2^-27 of its size; with 1 (a
+  model trained in fp32, the reference's 2R+1 lanes) it is exact in fp32 and rounded once in bf16.
 * Cache: a folded key depends only on its own position and one per-sequence constant (the recency
   origin), so it is cached like a plain key. The origin is fixed by the first forward of a cache (the
   prompt's) and kept with the cache, with the positions of the cached keys (ALiBi reads them); positions
@@ -111,8 +112,9 @@ class GoatPrior(nn.Module):
         self.pos_rank, self.abs_rank = config.goat_pos_rank, config.goat_abs_rank
         self.pos_base, self.abs_base = config.goat_pos_base, config.goat_abs_base
         self.key_bias = config.goat_key_bias
+        self.key_lanes = getattr(config, "goat_key_bias_lanes", SPLIT_PARTS)  # older exports: 3
         self.train_len = config.goat_train_len
-        self.num_lanes = 2 * self.pos_rank + (SPLIT_PARTS if self.key_bias else 0)
+        self.num_lanes = 2 * self.pos_rank + (self.key_lanes if self.key_bias else 0)
         if self.pos_rank > 0:  # pos_rank 0: no K_rel; abs_rank 0: no sink MLP (GOAT's ablations)
             self.lambda_sym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
             self.lambda_asym = nn.Parameter(torch.zeros(num_kv_heads, self.pos_rank))
@@ -177,8 +179,8 @@ class GoatPrior(nn.Module):
             k_parts += [cos.expand(B, L, H, R), sin.expand(B, L, H, R)]
         if self.key_bias:
             u = self.sink(position_ids, origin) / (scale * LANE_QUERY)
-            q_parts.append(torch.full((B, L, H, SPLIT_PARTS), LANE_QUERY, dtype=cdt, device=u.device))
-            k_parts.append(split_exact(u, dtype))
+            q_parts.append(torch.full((B, L, H, self.key_lanes), LANE_QUERY, dtype=cdt, device=u.device))
+            k_parts.append(split_exact(u, dtype, self.key_lanes))
         return torch.cat(q_parts, dim=-1).to(dtype), torch.cat(k_parts, dim=-1).to(dtype)
 
 
