@@ -91,6 +91,7 @@ class Trainer:
         if self._start is None and cfg.train.init_from:
             self.init_source = extension.agree_on_source(cfg.train.init_from)
         extension.resolve_train_len(cfg, self._start or self.init_source, log)
+        extension.resolve_key_bias_lanes(cfg, self._start, self.init_source, log)  # after the precision
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial weights
         self.model = GPT(
             m,
@@ -142,7 +143,7 @@ class Trainer:
         self.state.load_state_dict(saved["run_state"])
         kept = data_contract.keep_window_order(saved.get("data_contract"), self.cfg, self.contract)
         if kept and self.layout.is_main:
-            print("data.window_order=numpy: the order this run's data stream began with (kept by the resume)")
+            print(f"data.window_order={kept}: the order this run's data stream began with (kept by the resume)")
         restart = data_contract.check(
             saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
         )
