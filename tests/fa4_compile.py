@@ -15,6 +15,11 @@ inputs require grad (training), ``_flash_attn_bwd`` with the arguments FA4's aut
 The cases come from ``configs/**/*.yaml`` (a study config's runs included) and the library API at
 those configs' head dims and GQA ratios, so a new config is covered without editing this file.
 
+The same process also holds the CPU stand-in (``tests/flash4_standin.py``) to the real interface's
+argument checks (``fa4_interface.argument_rules``): calls that each break one rule (cu_seqlens dtype,
+contiguity and length, dtypes, head counts, shapes, head dims) must be refused by both. Those checks run
+before any kernel is built, so they cost no compile time.
+
     python tests/fa4_compile.py --arch sm_90 --out result.json     # needs flash-attn-4 and triton
 
 Each process compiles for one architecture (the choice is read from the environment once); identical
@@ -33,7 +38,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from fa4_interface import CompilingInterface, _first_line
+from fa4_interface import CompilingInterface, _first_line, argument_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = {"sm_90": ("sm_90a", 132), "sm_100": ("sm_100a", 148)}  # CUTE_DSL_ARCH, SMs (H100/H200, B200)
@@ -169,7 +174,8 @@ def _split(attn, mixed):
 
 def run_model(shape: ModelShape, iface: CompilingInterface) -> list[str]:
     """Training calls of one config's attention: dense rows, packed documents (whether or not the config
-    turns ``data.document_masking`` on), CP chunks; and the attention diagnostics' forward-only calls.
+    turns ``data.document_masking`` on), CP chunks with and without documents (the varlen calls with
+    separate query / key lengths); and the attention diagnostics' forward-only calls.
     Returns notes for paths that do not reach FA4."""
     import torch
 
@@ -188,9 +194,9 @@ def run_model(shape: ModelShape, iface: CompilingInterface) -> list[str]:
         )
         positions = _document_positions(shape.batch, L, documents)
         if shape.cp > 1:
+            # rank 0 holds chunks 0 and 2·cp-1: one against its own keys, one against a long prefix;
+            # under documents the varlen calls take each document's keys up to the chunk end
             shard = make_shard(positions, shape.cp, rank=0)
-            if shard.segments is not None:
-                continue  # flash4 with documents under CP takes the explicit-mask path (no FA4 call)
             q, k, v = _split(attn, shard.split(_mixed(attn, shape.batch, L, grad=True)))
             whole_rows = lambda x, shard: torch.cat([x] * shard.cp, dim=1)  # gather: contiguous rows
             saved, context.gather_sequence = context.gather_sequence, whole_rows
@@ -323,6 +329,7 @@ def compile_all(arch: str, only: str | None = None) -> dict:
                 )
                 continue
             notes += run_module(name, module, iface)
+        rules = argument_rules(iface.real, major * 10)  # the stand-in's checks against the real ones
     finally:
         flash_imports._flash_attn_cute, backend.device_capability = saved
     failed = [c for c in iface.calls if not c["ok"]]
@@ -336,6 +343,7 @@ def compile_all(arch: str, only: str | None = None) -> dict:
             {json.dumps({k: c[k] for k in c if k not in ("case", "fwd_s", "bwd_s")}) for c in iface.calls}
         ),  # fmt: skip
         "failed": failed,
+        "argument_rules": rules,
         "errors": errors,
         "notes": notes,
         "seconds": round(time.perf_counter() - start, 1),
@@ -366,7 +374,10 @@ def main(argv=None) -> int:
     for c in result["failed"]:
         shapes = f"q {c['q']} k {c['k']} v {c['v']}"
         print(f"  REFUSED {c['case']}: {shapes} {c['stage']}: {c['error']} ({c['where']})")
-    return 0 if not result["failed"] and not result["errors"] else 1
+    unequal = [r for r in result["argument_rules"] if not (r["real"] and r["standin"])]
+    for r in unequal:
+        print(f"  RULE {r['rule']}: real interface {r['real']!r}, stand-in {r['standin']!r}")
+    return 0 if not result["failed"] and not result["errors"] and not unequal else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ def _fake_like(t, fake_mode):
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+def _shorter_queries(varlen: dict) -> bool:
+    """Whether a packed sequence has fewer queries than keys (a context-parallel chunk's documents);
+    read from the real, host-side cumulative lengths before they are faked."""
+    lq, lk = (varlen[name].diff() for name in ("cu_seqlens_q", "cu_seqlens_k"))
+    return bool((lq < lk).any())
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -73,7 +80,7 @@ class CompilingInterface:
             "gqa": q.shape[-2] // k.shape[-2],
             "causal": causal,
             "varlen": varlen is not None,
-            "lq_lt_lk": (q.shape[-3] < k.shape[-3]) if varlen is None else None,
+            "lq_lt_lk": (q.shape[-3] < k.shape[-3]) if varlen is None else _shorter_queries(varlen),
             "backward": grad,
             "return_lse": return_lse,
         }
@@ -132,6 +139,104 @@ class CompilingInterface:
             q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, varlen=varlen
         )
         return self._outputs(q, v, return_lse, (q.shape[1], q.shape[0]))
+
+
+# ---- the argument rules: the stand-in against the real interface's own checks ---------------------------
+def _rule_cases(arch: int):
+    """``(name, entry, q, k, v, options)``: calls that break one argument rule each, beside a valid varlen
+    call of the shape context parallelism makes (two documents, fewer queries than keys) and a dense one."""
+    import torch
+
+    bf16, i32 = torch.bfloat16, torch.int32
+
+    def qkv(total_q=12, total_k=20, heads=4, kv=2, d=64, dk=None, dv=None, total_v=None, dtype=bf16,
+            kv_dtype=None):  # fmt: skip
+        kv_dtype = kv_dtype or dtype
+        return (
+            torch.randn(total_q, heads, d, dtype=dtype),
+            torch.randn(total_k, kv, dk or d, dtype=kv_dtype),
+            torch.randn(total_v or total_k, kv, dv or d, dtype=kv_dtype),
+        )
+
+    cu = {
+        "cu_seqlens_q": torch.tensor([0, 5, 12], dtype=i32),
+        "cu_seqlens_k": torch.tensor([0, 8, 20], dtype=i32),
+        "max_seqlen_q": 7,
+        "max_seqlen_k": 12,
+    }
+    too_wide = 264 if arch // 10 == 9 else 160
+    varlen = [
+        ("cu_seqlens_q int64", qkv(), {**cu, "cu_seqlens_q": cu["cu_seqlens_q"].long()}),
+        ("cu_seqlens_k int64", qkv(), {**cu, "cu_seqlens_k": cu["cu_seqlens_k"].long()}),
+        ("cu_seqlens_k not contiguous", qkv(),
+         {**cu, "cu_seqlens_k": torch.tensor([0, 0, 8, 0, 20, 0], dtype=i32)[::2]}),
+        ("cu_seqlens_k of another batch size", qkv(),
+         {**cu, "cu_seqlens_k": torch.tensor([0, 8, 14, 20], dtype=i32)}),
+        ("fp32 inputs", qkv(dtype=torch.float32), cu),
+        ("q bf16, k/v fp16", qkv(kv_dtype=torch.float16), cu),
+        ("query heads not a multiple of KV heads", qkv(heads=3), cu),
+        ("q and k head dims differ", qkv(dk=72), cu),
+        ("k and v of different lengths", qkv(total_v=18), cu),
+        ("head dim not a multiple of 8", qkv(d=60), cu),
+        (f"head dim {too_wide} on SM{arch}", qkv(d=too_wide), cu),
+    ]  # fmt: skip
+    for name, (q, k, v), options in varlen:
+        yield name, "varlen", q, k, v, options
+    q, k, v = (t.unflatten(0, (2, 6)) for t in qkv(total_k=12))
+    yield "k of another batch size (dense)", "func", q, k[:1], v[:1], {}
+
+
+def argument_rules(real, arch: int) -> list[dict]:
+    """Each rule-breaking call through the stand-in (``tests/flash4_standin.py``, 16-bit inputs only,
+    playing ``arch``) and through the real ``_flash_attn_fwd`` on fake CUDA tensors: whether each refuses,
+    and with what. The real checks run before anything compiles, so this costs no kernel build; a call
+    the real interface would accept is not run there (it would compile) but recorded as accepted."""
+    from flash4_standin import Flash4Standin
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    standin = Flash4Standin(arch=arch)
+    records = []
+    for name, entry, q, k, v, options in _rule_cases(arch):
+        record = {"rule": name}
+        call = standin.flash_attn_varlen_func if entry == "varlen" else standin.flash_attn_func
+        try:
+            call(q, k, v, causal=True, softmax_scale=0.125, **options)
+            record["standin"] = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the record
+            record["standin"] = _first_line(exc)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = {key: _fake_like(t, fake_mode) if hasattr(t, "shape") else t for key, t in options.items()}
+        fq, fk, fv = (_fake_like(t, fake_mode) for t in (q, k, v))
+        try:
+            with fake_mode:
+                _refuse_before_compile(real, fq, fk, fv, fake)
+            record["real"] = None
+        except _WouldCompile:
+            record["real"] = None
+        except Exception as exc:  # noqa: BLE001
+            record["real"] = _first_line(exc)
+        records.append(record)
+    return records
+
+
+class _WouldCompile(Exception):
+    """The real interface accepted the arguments and went on to build a kernel."""
+
+
+def _refuse_before_compile(real, q, k, v, options) -> None:
+    """``_flash_attn_fwd`` up to its first kernel build: the build step raises ``_WouldCompile``."""
+    import cutlass.cute as cute
+
+    saved = cute.compile
+
+    def stop(*args, **kwargs):
+        raise _WouldCompile
+
+    cute.compile = stop
+    try:
+        real._flash_attn_fwd(q, k, v, softmax_scale=0.125, causal=True, **options)
+    finally:
+        cute.compile = saved
 
 
 def _origin(exc: BaseException) -> str:

@@ -13,7 +13,9 @@ Written from the documented interface of flash-attn-4 4.0.0b36 (``flash_attn_fun
 * ``flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
   max_seqlen_k=None, ..., softmax_scale=None, causal=False, ..., return_lse=False, ...)``: the fourth
   positional argument is ``qv``, so the cumulative lengths go by keyword; packed q (total_q, H, D), k and
-  v (total_k, H_kv, D / D_v), int32 contiguous ``cu_seqlens`` of shape (batch + 1,);
+  v (total_k, H_kv, D / D_v), int32 contiguous ``cu_seqlens`` of shape (batch + 1,); sequence i is
+  queries ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` against keys ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]``,
+  whose lengths may differ (a context-parallel chunk's documents: fewer queries than keys);
 * both return ``(out, lse)``: out in the input dtype, lse fp32 (B, H, Lq) or (H, total_q) for varlen,
   the natural-log log-sum-exp of each row of scaled logits (-inf, with a zero output row, for a row that
   sees no key); lse is None unless ``return_lse`` or an input requires grad; it is differentiable;
@@ -25,9 +27,11 @@ Written from the documented interface of flash-attn-4 4.0.0b36 (``flash_attn_fun
   The stand-in's ``arch`` (default 90) says which GPU it plays; FA4 states no bound for 12.x.
 
 Like the real kernel it rejects inputs other than fp16/bf16, q/k/v of different dtypes, H not a multiple
-of H_kv, mismatched shapes, unsupported head dims and cu_seqlens that are not int32. Rules of the
-backward kernels, found by compiling them on CPU (``tests/fa4_compile.py``), fail like the real one, at
-the first backward pass (``AssertionError`` with the kernel's message):
+of H_kv, mismatched shapes, unsupported head dims and cu_seqlens that are not int32, not contiguous or
+not of length batch + 1, with the real messages. ``tests/fa4_compile.py`` holds these checks against the
+real interface's own (``fa4_interface.argument_rules``: one rule broken per call, both must refuse).
+Rules of the backward kernels, found by compiling them on CPU (``tests/fa4_compile.py``), fail like the
+real one, at the first backward pass (``AssertionError`` with the kernel's message):
 
 * GQA on 9.x: ``head_dim == head_dim_v`` (``flash_attn/cute/flash_bwd_sm90.py``, ``__init__``);
 * 10.x/11.x, with or without GQA: a v of 32 or less beside a q/k tile of 64 or 128 (``(64, 32)``,
@@ -136,6 +140,9 @@ class Flash4Standin:
         self.allow_fp32 = allow_fp32
         self.arch = arch
         self.calls: list[str] = []  # which entry points ran: tests assert the flash4 path was taken
+        # each varlen call's (query lengths, key lengths) per packed sequence: tests assert how a
+        # context-parallel chunk was split by document
+        self.varlen: list[tuple[list[int], list[int]]] = []
 
     # ---- checks (the real interface's) ---------------------------------------------------------------
     def _check(self, q, k, v, options: dict) -> None:
@@ -277,8 +284,10 @@ class Flash4Standin:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if cu.dtype != torch.int32:
                 raise AssertionError("cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be int32")
-            if cu.stride(0) != 1 or cu.shape != (batch + 1,):
-                raise AssertionError(f"{name} must be contiguous with shape (batch_size + 1,)")
+            if cu.shape != (batch + 1,):
+                raise AssertionError(f"{name} must have shape (batch_size + 1,)")
+            if cu.stride(0) != 1:
+                raise AssertionError("cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k must be contiguous")
         bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         if bq[0] != 0 or bk[0] != 0 or bq[-1] != q.shape[0] or bk[-1] != k.shape[0]:
             raise AssertionError("cu_seqlens must start at 0 and end at the number of packed tokens")
@@ -289,6 +298,7 @@ class Flash4Standin:
         for bound, lengths in ((max_seqlen_q, len_q), (max_seqlen_k, len_k)):
             if bound is not None and max(lengths) > bound:
                 raise AssertionError("a sequence is longer than max_seqlen_q / max_seqlen_k")
+        self.varlen.append((len_q, len_k))
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         results = [
             self._one(q[bq[b] : bq[b + 1]], k[bk[b] : bk[b + 1]], v[bk[b] : bk[b + 1]], scale, causal)

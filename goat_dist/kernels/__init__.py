@@ -8,10 +8,10 @@ H_kv (GQA). Every kernel takes the softmax scale explicitly: GOAT folds its own 
 
 Files: ``backend`` (which kernel runs: ``resolve_backend``, given the GPU's compute capability),
 ``dispatch`` (``attend``), ``sdpa`` (torch SDPA and the eager reference), ``fa2`` (flash-attn 2),
-``fa4`` + ``fa4_dims`` (FlashAttention-4 and its head-dim rules), ``flash_imports`` (the lazy imports
-and why they fail), ``layout`` (head-dim padding, FA2's memory alignment), ``masks`` (packed-document
-segments, varlen offsets, ALiBi's bias), ``chunks`` (a context-parallel rank's query chunks against
-their key prefixes).
+``fa4`` + ``fa4_dims`` (FlashAttention-4, dense and varlen, and its head-dim rules), ``flash_imports``
+(the lazy imports and why they fail), ``layout`` (head-dim padding, FA2's memory alignment), ``masks``
+(packed-document segments, varlen offsets, ALiBi's bias), ``chunks`` (a context-parallel rank's query
+chunks against their key prefixes).
 
 May import: torch and ``goat_dist.config`` (the backend names) only: no model, no GOAT maths, no process
 groups.
@@ -29,7 +29,7 @@ from .backend import (
 from .chunks import prefix_attention
 from .dispatch import attend
 from .fa2 import flash_attention
-from .fa4 import flash4_attention
+from .fa4 import flash4_attention, flash4_varlen
 from .fa4_dims import FLASH4_MAJORS, flash4_head_dims
 from .layout import fa2_ready, pad_to, pad_v
 from .masks import alibi_bias, cu_seqlens, document_segments, segment_mask
@@ -50,6 +50,7 @@ __all__ = [
     "flash4_attention",
     "flash4_available",
     "flash4_head_dims",
+    "flash4_varlen",
     "flash_attention",
     "flash_available",
     "pad_to",

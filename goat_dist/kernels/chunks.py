@@ -2,13 +2,15 @@
 ``parallel/context.py``, which splits the rows and gathers K/V): each local chunk ``[start, start + c)``
 attends keys ``[0, start + c)`` with the causal mask aligned bottom-right.
 
-* ``flash``: one flash-attn 2 call per chunk (Lq < Lk: its causal mask is bottom-right aligned); packed
-  documents through its varlen kernel with separate query/key offsets;
-* ``flash4``: the same single call per chunk (no documents, no ALiBi; otherwise the explicit mask);
+* ``flash`` / ``flash4``: one flash-attn 2 / FlashAttention-4 call per chunk (Lq < Lk: both align the
+  causal mask bottom-right); packed documents through their varlen kernels with separate query/key
+  offsets (``_varlen_index``): each document's queries in the chunk against that document's keys up to
+  the chunk end, so no mask is built and whole key blocks outside the document are never visited;
 * ``sdpa`` on CPU, no documents, no ALiBi: torch's CPU flash kernel twice per chunk (the diagonal block,
   causal; the prefix before it, unmasked), merged by log-sum-exp (``_PrefixCausal``); memory O(rows);
-* otherwise (documents, ALiBi, eager, SDPA on GPU, flash4 with documents): an explicit (rows x prefix)
-  mask / bias per chunk, through SDPA (or the eager kernel).
+* otherwise (documents or ALiBi on sdpa / eager, SDPA on GPU): an explicit (rows x prefix) mask / bias
+  per chunk, through SDPA (or the eager kernel). FlashAttention-4 takes no ALiBi (the model refuses it
+  before this point).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .fa2 import flash2_module, flash_attention
-from .fa4 import flash4_attention
+from .fa4 import flash4_attention, flash4_varlen
 from .layout import fa2_ready, pad_v
 from .masks import alibi_bias
 from .sdpa import eager_attention, sdpa_call
@@ -47,61 +49,80 @@ def prefix_attention(
         end = start + c
         kj, vj = k_full[:, :end], v_full[:, :end]
         if backend == "flash":
-            outs.append(_flash_chunk(qj, kj, vj, start, shard, scale, alibi_slopes))
-        elif backend == "flash4" and shard.segments is None and alibi_slopes is None:
-            # FlashAttention-4 aligns a causal Lq < Lk mask bottom-right too; documents and ALiBi
-            # take the explicit-mask path below
-            outs.append(flash4_attention(qj, kj, vj, causal=True, scale=scale))
+            outs.append(_flash_chunk(qj, k_full, v_full, start, shard, scale, alibi_slopes))
+        elif backend == "flash4" and alibi_slopes is None:
+            outs.append(_flash4_chunk(qj, k_full, v_full, start, shard, scale))
         else:
             outs.append(_masked_chunk(qj, kj, vj, start, shard, scale, alibi_slopes, backend))
     return torch.cat(outs, dim=1)
 
 
-def _varlen_index(shard, start: int, B: int, c: int, S: int, device):
-    """The varlen kernel's view of chunk ``[start, start + c)`` against keys ``[0, S)`` under packed
-    documents: the gathered key rows, cumulative query and key lengths, the longest of each. It needs the
-    host (document boundaries), so it is computed once per forward and chunk and kept on the shard, which
-    every layer shares (one host sync per chunk and micro-batch, not per layer)."""
+def _varlen_index(shard, start: int, B: int, c: int, L: int, device):
+    """The varlen kernels' view of chunk ``[start, start + c)`` under packed documents, against whole
+    rows of L keys flattened to (B·L): which key rows to pack (``keys``), cumulative query and key
+    lengths (int32), the longest of each. Sequence i is one document's queries in the chunk and that
+    document's keys from its first token up to the chunk end (the causal mask, aligned bottom-right,
+    does the rest), so a query never meets another document's key and the kernel never visits one.
+
+    A row's documents follow one another, so its key ranges join into one run ``[first key of its
+    first document in the chunk, chunk end)``; with one row (the long-context configs' micro-batch) the
+    keys are that single slice, a view of the gathered K/V (no copy, nothing extra kept for the
+    backward), else an index over the runs (a gathered copy, as flash-attn's varlen layout needs
+    sequences packed back to back). Not ``seqused_k`` over the unpacked rows: FA4's backward allocates
+    dK/dV with ``torch.empty_like`` (``_flash_attn_bwd``) and writes only rows inside a sequence, so the
+    key rows between sequences would carry garbage gradients.
+
+    It needs the host (document boundaries), so it is computed once per forward and chunk and kept on
+    the shard, which every layer shares (one host sync per chunk and micro-batch, not per layer)."""
     cache = shard.__dict__.setdefault("_varlen", {})
-    if (start, c, S) in cache:
-        return cache[(start, c, S)]
+    if (start, c, L) in cache:
+        return cache[(start, c, L)]
     seg_q = shard.segments[:, start : start + c]
-    seg_k = shard.segments[:, :S].contiguous()
-    key_index, cu_q, cu_k = [], [0], [0]
+    seg_k = shard.segments[:, : start + c].contiguous()
+    runs, cu_q, cu_k = [], [0], [0]
     for b in range(B):
         docs, counts = torch.unique_consecutive(seg_q[b], return_counts=True)
         first_key = torch.searchsorted(seg_k[b], docs).tolist()  # segment ids never decrease along a row
         end = start
         for d_first, n in zip(first_key, counts.tolist()):
             end += n
-            key_index.append(torch.arange(d_first, end, device=device) + b * S)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + end - d_first)
+        runs.append((b * L + first_key[0], b * L + end))  # the row's documents' keys, back to back
+    if len(runs) == 1:
+        keys = slice(*runs[0])
+    else:
+        keys = torch.cat([torch.arange(lo, hi) for lo, hi in runs]).to(device)
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    cache[(start, c, S)] = (
-        torch.cat(key_index),
+    cache[(start, c, L)] = (
+        keys,
         torch.tensor(cu_q, dtype=torch.int32, device=device),
         torch.tensor(cu_k, dtype=torch.int32, device=device),
         max(lengths_q),
         max(lengths_k),
     )
-    return cache[(start, c, S)]
+    return cache[(start, c, L)]
 
 
-def _flash_chunk(q, k, v, start, shard, scale, slopes):
+def _packed_keys(x_full: torch.Tensor, keys) -> torch.Tensor:
+    """(B, L, H_kv, D) whole rows -> the packed key rows ``keys`` (a slice: a view; an index: a copy)."""
+    return x_full.flatten(0, 1)[keys]
+
+
+def _flash_chunk(q, k_full, v_full, start, shard, scale, slopes):
     extra = {} if slopes is None else {"alibi_slopes": slopes.to(device=q.device, dtype=torch.float32)}
-    if shard.segments is None:  # Lq < Lk: flash-attn's causal mask is bottom-right aligned
-        return flash_attention(q, k, v, causal=True, scale=scale, **extra)
-    flash = flash2_module()
     B, c = q.shape[:2]
-    S = k.shape[1]
-    v, dv = pad_v(v, q.shape[-1])
-    keys, cu_q_t, cu_k_t, max_q, max_k = _varlen_index(shard, start, B, c, S, q.device)
+    if shard.segments is None:  # Lq < Lk: flash-attn's causal mask is bottom-right aligned
+        end = start + c
+        return flash_attention(q, k_full[:, :end], v_full[:, :end], causal=True, scale=scale, **extra)
+    flash = flash2_module()
+    keys, cu_q_t, cu_k_t, max_q, max_k = _varlen_index(shard, start, B, c, k_full.shape[1], q.device)
+    v, dv = pad_v(_packed_keys(v_full, keys), q.shape[-1])
     out = flash.flash_attn_varlen_func(
         fa2_ready(q.reshape(B * c, *q.shape[2:])),  # a view of the projection: 16-byte loads
-        k.reshape(B * S, *k.shape[2:])[keys],  # gathered: fresh, aligned copies
-        v.reshape(B * S, *v.shape[2:])[keys],
+        fa2_ready(_packed_keys(k_full, keys)),  # a gathered copy is fresh and aligned; a slice may not be
+        fa2_ready(v),
         cu_q_t,
         cu_k_t,
         max_q,
@@ -111,6 +132,30 @@ def _flash_chunk(q, k, v, start, shard, scale, slopes):
         **extra,
     )
     return out.view(B, c, *out.shape[1:])[..., :dv]
+
+
+def _flash4_chunk(q, k_full, v_full, start, shard, scale):
+    """FlashAttention-4 for one chunk: ``flash_attn_func`` with Lq < Lk (its causal mask is aligned
+    bottom-right), or under packed documents its varlen kernel with separate query and key offsets
+    (``_varlen_index``). FA4 copies views it cannot load itself and takes q/k and v of different widths
+    (``GoatSelfAttention``'s lanes can make q/k wider than v), padded as ``fa4.flash4_varlen`` says."""
+    B, c = q.shape[:2]
+    if shard.segments is None:
+        end = start + c
+        return flash4_attention(q, k_full[:, :end], v_full[:, :end], causal=True, scale=scale)
+    keys, cu_q, cu_k, max_q, max_k = _varlen_index(shard, start, B, c, k_full.shape[1], q.device)
+    out = flash4_varlen(
+        q.reshape(B * c, *q.shape[2:]),
+        _packed_keys(k_full, keys),
+        _packed_keys(v_full, keys),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal=True,  # per document, bottom-right: query start+i sees its document's keys up to itself
+        scale=scale,
+    )
+    return out.view(B, c, *out.shape[1:])
 
 
 def _masked_chunk(q, k, v, start, shard, scale, slopes, backend):

@@ -86,6 +86,7 @@ CASES = [
     ("flash", True, False),
     ("flash", True, True),
     ("flash4", False, False),
+    ("flash4", True, False),  # documents through FA4's varlen entry
 ]
 
 

@@ -396,3 +396,61 @@ def test_model_auto_passes_over_flash4_for_what_it_cannot_run(world1, monkeypatc
     cfg = ModelConfig(**shape, position=position)
     assert GPT(cfg).blocks[0].attn.backend == expected
     assert GoatSelfAttention(64, 2, pos_rank=2).backend == "flash4"
+
+
+# ---- context parallelism with packed documents: FA4's varlen kernel per chunk ------------------------------
+def _cp_document_positions(batch: int, length: int = 48) -> torch.Tensor:
+    """Row 0: a document continued from an earlier window, then documents starting at 5, 17, 24 (a chunk
+    boundary for cp 2 and 4) and 40; row 1 (if any): one document, far from position 0."""
+    row = torch.arange(length) + 7
+    for cut in (5, 17, 24, 40):
+        row[cut:] = torch.arange(length - cut)
+    return torch.stack([row, torch.arange(length) + 700][:batch])
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+@pytest.mark.parametrize("cp,batch", [(2, 1), (4, 2)])
+def test_context_parallel_documents_take_fa4_varlen_and_equal_the_masked_path(arch, cp, batch):
+    """Every CP rank's chunks under packed documents go through FA4's varlen kernel (each document's
+    queries against its keys up to the chunk end) with GOAT's exact prior folded into q/k (GQA, lanes
+    from global positions and the whole row's origin), and give the masked SDPA path's outputs and
+    gradients (content q/k, v, the prior's parameters): the stand-in in fp32 against that path in fp64
+    (in fp32 the masked path itself is the less exact of the two on the prior's gradients)."""
+    from goat_dist.goat import fold_prior
+    from goat_dist.goat.exact import sequence_origin
+    from goat_dist.parallel.context import context_attention, make_shard
+
+    torch.manual_seed(0)
+    L, H, Hk, d_c = 48, 4, 2, 16
+    positions = _cp_document_positions(batch, L)
+    prior = GoatPrior(Hk, 3, 4, training_seq_len=64)
+    with torch.no_grad():
+        for p in prior.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    inputs = [torch.randn(batch, L, h, d) for h, d in ((H, d_c), (Hk, d_c), (Hk, d_c + prior.num_lanes))]
+    weights = torch.randn(batch, L, H, d_c + prior.num_lanes)
+    results, standin = {}, Flash4Standin(allow_fp32=True, arch=arch)
+    for backend, dtype in (("sdpa", torch.float64), ("flash4", torch.float32)):
+        ours = copy.deepcopy(prior).to(dtype)
+        qc, kc, v = leaves = [t.to(dtype).requires_grad_(True) for t in inputs]
+        q, k = fold_prior(qc, kc, ours, positions, causal=True, origin=sequence_origin(positions))
+        outs, total = [], 0
+        with installed(standin):
+            for rank in range(cp):
+                shard = make_shard(positions, cp, rank)
+                out = context_attention(shard.split(q), k, v, shard, scale=d_c**-0.5, backend=backend)
+                outs.append(out.detach().double())
+                total = total + (out * shard.split(weights.to(dtype))).sum()
+                if backend == "flash4":  # one row: the keys are a slice of the gathered K/V, no copy
+                    assert all(isinstance(e[0], slice) == (batch == 1) for e in shard._varlen.values())
+        total.backward()
+        results[backend] = (outs, [t.grad.double() for t in [*leaves, *ours.parameters()]])
+    assert standin.calls == ["flash_attn_varlen_func"] * (2 * cp)  # two chunks per rank, no masked SDPA
+    assert any(len(lq) > batch for lq, _ in standin.varlen)  # a chunk split by document
+    assert any(a < b for lq, lk in standin.varlen for a, b in zip(lq, lk))  # queries < their key prefix
+    for got, want in zip(results["flash4"][0], results["sdpa"][0]):
+        assert (got - want).abs().max().item() <= 1e-5
+    for i, (g, g_ref) in enumerate(zip(results["flash4"][1], results["sdpa"][1])):
+        # relative to the largest entry: the lanes carry values up to 256 (exact.py's query side)
+        err, size = (g - g_ref).abs().max().item(), g_ref.abs().max().item()
+        assert err <= 1e-5 * max(size, 1.0), f"gradient {i}: {err:.2e} vs max |grad| {size:.2e}"
