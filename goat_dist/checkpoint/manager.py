@@ -25,11 +25,11 @@ thread per rank writes and hashes the files (``staging.py``), and ``poll`` (at s
 ``wait`` publishes the checkpoint once every rank's writes are done. At most one save is in flight: a
 new save, and the end of the run, wait for the pending one first.
 
-Listeners (``CheckpointManager.listeners``: objects defining any of these methods, on every rank) hear
-of a save's progress: ``file_written(step_dir, name)`` for each file an asynchronous save's background
-writer finished (on the writer's thread), ``shards_written(step_dir, step)`` once every rank's files are
-on disk and hashed, just before the manifest and ``latest`` are written, and ``published(step_dir, step)``
-once ``latest`` names the checkpoint.
+A save's progress is told to ``events(name, *args)`` (``CheckpointManager(events=...)``, on every rank;
+the trainer passes its callbacks' events): ``file_written`` (step_dir, name) for each file an asynchronous
+save's background writer finished (on the writer's thread), ``shards_written`` (step_dir, step) once every
+rank's files are on disk and hashed, just before the manifest and ``latest`` are written, and
+``published`` (step_dir, step) once ``latest`` names the checkpoint.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ class PendingSave:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True, listeners=None):
+    def __init__(self, run_dir: Path, keep_last: int = 2, is_main: bool = True, events=None):
         self.root = Path(run_dir) / "checkpoints"
-        self.listeners: list = list(listeners or [])  # told of each save's progress (module docstring)
+        self.events = events  # told of each save's progress (module docstring)
         self.keep_last = keep_last
         self.is_main = is_main
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
@@ -171,10 +171,8 @@ class CheckpointManager:
         return space.write_failure(path, step_dir, error, previous, latest)
 
     def _tell(self, event: str, *args) -> None:
-        for listener in self.listeners:
-            handler = getattr(listener, event, None)
-            if handler is not None:
-                handler(*args)
+        if self.events is not None:
+            self.events(event, *args)
 
     def _publish(self, step_dir: Path, step: int, known: dict, error: str) -> None:
         """Collective, once every rank's files are on disk (or a write failed: ``error``): digests in
@@ -240,7 +238,7 @@ class CheckpointManager:
         step = trainer_state["step"]
         step_dir = self._begin_save(trainer_state)
         self._buffers = self._buffers or HostBuffers()
-        writer = BackgroundWriter(step_dir, self._buffers, self.listeners, describe=self._write_failure)
+        writer = BackgroundWriter(step_dir, self._buffers, self.events, describe=self._write_failure)
         stage_universal(engine, engine.module, step_dir, step, writer)
         queue_torch_save(writer, rng.capture(), step_dir / f"rng_rank{dist.get_rank()}.pt")
         failed = self._write_run_files(step_dir, trainer_state, config_text)

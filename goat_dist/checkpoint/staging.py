@@ -120,10 +120,10 @@ def host_copy(t: torch.Tensor, buffers: HostBuffers) -> torch.Tensor:
 
 class BackgroundWriter:
     """One thread writing queued files in order. Each job writes one file, fsyncs it and records its size
-    and sha256 (read back from disk), keyed by its name relative to the checkpoint directory; each
-    listener's ``file_written(step_dir, name)`` hears of it, on this thread (``CheckpointManager``)."""
+    and sha256 (read back from disk), keyed by its name relative to the checkpoint directory;
+    ``events("file_written", step_dir, name)`` hears of it, on this thread (``CheckpointManager``)."""
 
-    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, listeners=(), describe=None):
+    def __init__(self, step_dir: Path, buffers: HostBuffers | None = None, events=None, describe=None):
         """``describe(step_dir, path, error)``: the message for a failed write (default: ``space``'s,
         which names the directory and the bytes needed and free on a full disk)."""
         self.step_dir = Path(step_dir)
@@ -131,7 +131,7 @@ class BackgroundWriter:
         self.digests: dict[str, dict] = {}
         self.error = ""
         self.buffers = buffers or HostBuffers()
-        self.listeners = list(listeners)
+        self.events = events
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -173,10 +173,8 @@ class BackgroundWriter:
                     self.digests[name] = written
                     self.bytes += self.digests[name]["bytes"]
                     self._written += 1
-                    for listener in self.listeners:
-                        handler = getattr(listener, "file_written", None)
-                        if handler is not None:
-                            handler(self.step_dir, name)
+                    if self.events is not None:
+                        self.events("file_written", self.step_dir, name)
             except BaseException as e:  # noqa: BLE001 - reported to every rank when the save is finished
                 self.error = self.describe(self.step_dir, path, e)
             finally:

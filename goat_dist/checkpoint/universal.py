@@ -47,8 +47,6 @@ from megatron.core import parallel_state
 from .. import collectives
 from ..atomic import atomic_write_text
 from ..engine.masters import KEYS, MOMENTS
-from ..engine.masters import layout_of as engine_layout_of
-from ..engine.steps import set_step_counters, step_counters
 from ..engine.zero3 import full_shape
 from . import tensor_file
 from .digests import gather, raise_everywhere
@@ -76,8 +74,9 @@ FORMAT = 2
 
 
 def layout_of(engine):
-    """The engine's master layout (``goat_dist.engine.masters``); one it cannot read is a CheckpointError."""
-    return engine_layout_of(engine, CheckpointError)
+    """The master layout of ``engine`` (a ``goat_dist.engine.Engine``); one it cannot read is a
+    CheckpointError."""
+    return engine.masters(CheckpointError)
 
 
 def require_state(step_dir: Path, purpose: str, manifest: dict | None = None) -> None:
@@ -155,13 +154,13 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 def counters(engine, masters, step: int) -> dict:
     """What a bitwise resume restores besides the tensors: the steps of Adam, the LR schedule, DeepSpeed."""
-    scheduler = engine.lr_scheduler
+    scheduler = engine.scheduler
     return {
         "step": step,
         "optimizer": masters.name,
         "adam_step": masters.adam_step(),
         "lr_step": None if scheduler is None else int(scheduler.last_epoch),
-        "engine": step_counters(engine),
+        "engine": engine.step_counters(),
     }
 
 
@@ -305,11 +304,11 @@ def load(
     if adam_step is None:  # a resume: the saved counters (older checkpoints: the trainer's step)
         saved = meta.get("adam_step")
         adam_step = step if saved is None else saved
-        set_step_counters(engine, meta.get("engine", {}))
+        engine.set_step_counters(meta.get("engine", {}))
     masters.finish_load(adam_step)
     if schedule:
         lr_step = meta.get("lr_step")
-        _set_schedule(engine.lr_scheduler, step if lr_step is None else int(lr_step))
+        _set_schedule(engine.scheduler, step if lr_step is None else int(lr_step))
 
 
 def read_into(reader: UniversalReader, owned, keys: tuple[str, ...] = KEYS) -> None:

@@ -1,12 +1,19 @@
-"""The training engine: the one package that knows DeepSpeed's internals.
+"""The training engine: the one package that knows DeepSpeed.
 
-Everything else in goat_dist uses DeepSpeed's public engine API (``engine(...)``, ``backward``, ``step``,
-``module``, ``optimizer.param_groups``, ``lr_scheduler``, ``get_lr``, ``get_global_grad_norm``) or this
-package; whatever depends on DeepSpeed's private attributes, optimizer classes or behaviour lives here, so
-that a DeepSpeed upgrade is checked here and in ``tests/unit/test_engine_contract.py`` (one test per
-assumption). The version range tested is pinned in pyproject.toml.
+Everything else in goat_dist sees the engine through its facade, ``Engine`` (``facade.py``: forward and
+backward of micro-batches, the optimizer step or a dropped one, the gradient norm and learning rate, the
+state a checkpoint saves and loads, the bytes of training state, the module for evaluation), through the
+functions of the modules below, or through the sizes the planner counts with (``sizes``). Only this
+package imports ``deepspeed`` and only its objects hold DeepSpeed's engine (both enforced by
+``tests/unit/test_import_floors.py`` and ``tests/unit/test_package_promises.py``); whatever depends on
+DeepSpeed's attributes, optimizer classes or behaviour lives here, so that a DeepSpeed upgrade is checked
+here and in ``tests/unit/test_engine_contract.py`` (one test per assumption). The version range tested is
+pinned in pyproject.toml.
 
-* ``build``: the DeepSpeed config, megatron's process groups as DeepSpeed's ``mpu``, ``build_engine``.
+* ``facade``: ``Engine``, the engine as the trainer, checkpoints, evaluation and callbacks use it.
+* ``build``: the DeepSpeed config, megatron's process groups as DeepSpeed's ``mpu``, ``build_engine``, and
+  ``HeldGradHooks`` (the engine's gradient hooks run after a caller's own gradient step: the TP sum).
+* ``sizes``: the buffer sizes and per-stage rules that the config sets and the memory planner counts.
 * ``construct``: the model built already partitioned under ZeRO-3 (``partition_as_built``).
 * ``patches``: each change of DeepSpeed's behaviour (the bf16 cast, ZeRO-0's init step and grad norm).
 * ``masters``: where each parameter's fp32 master and Adam moments live, per precision x ZeRO stage.
@@ -24,12 +31,16 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "Engine": "facade",
+    "HeldGradHooks": "build",
     "build_engine": "build",
     "deepspeed_config": "build",
     "MegatronMPU": "build",
     "PartitionAsBuilt": "construct",
     "partition_as_built": "construct",
-    "PRIOR_FP32_STAGES": "patches",
+    "PRIOR_FP32_STAGES": "sizes",
+    "FP32_ACCUMULATION_STAGES": "sizes",
+    "ZERO0_ALLREDUCE_ELEMENTS": "sizes",
     "KEYS": "masters",
     "MOMENTS": "masters",
     "MasterLayout": "masters",

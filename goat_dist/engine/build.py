@@ -3,18 +3,20 @@ patches it needs (``patches.py``) applied where they belong.
 
 The model arrives made of megatron-core tensor-parallel layers with its optimizer and LR schedule built
 (``goat_dist/optim.py``); this wraps them in DeepSpeed's engine, ZeRO over the data-parallel x
-context-parallel group (``MegatronMPU``).
+context-parallel group (``MegatronMPU``), and returns the engine behind its facade (``facade.Engine``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from megatron.core import parallel_state
 from torch import nn
 
 from ..config import Config
-from . import patches
+from . import patches, sizes
+from .facade import Engine
 from .zero3 import install_fp32_mirror
 
 
@@ -71,13 +73,13 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     * ZeRO-1: DeepSpeed would swap its ZeRO optimizer for ``BF16_Optimizer`` (fp32 gradients of every
       whole parameter), whose masters, overflow path and checkpoints this engine does not read
       (``masters.layout_of``, ``steps``): fp32 reduction only, as at ZeRO-0."""
-    h2 = cfg.model.hidden_size**2
+    h = cfg.model.hidden_size
     bf16 = cfg.train.precision == "bf16"
     reduce_fp32 = cfg.parallel.grad_reduce_dtype == "fp32"
     precision: dict = {"bf16": {"enabled": bf16}}
     if bf16:
         precision["communication_data_type"] = "fp32" if reduce_fp32 else "bf16"
-        if reduce_fp32 and grad_accum > 1 and cfg.parallel.zero_stage in (2, 3):
+        if reduce_fp32 and grad_accum > 1 and cfg.parallel.zero_stage in sizes.FP32_ACCUMULATION_STAGES:
             precision["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -87,16 +89,64 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
             "stage": cfg.parallel.zero_stage,
             "overlap_comm": True,
             "contiguous_gradients": True,
-            "reduce_bucket_size": h2,
-            "allgather_bucket_size": h2,
-            "stage3_prefetch_bucket_size": int(0.9 * h2),
-            "stage3_param_persistence_threshold": 10 * cfg.model.hidden_size,
+            "reduce_bucket_size": sizes.bucket_elements(h),
+            "allgather_bucket_size": sizes.bucket_elements(h),
+            "stage3_prefetch_bucket_size": sizes.prefetch_elements(h),
+            "stage3_param_persistence_threshold": sizes.persistence_threshold(h),
         },
         "zero_allow_untested_optimizer": True,
         **precision,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+class HeldGradHooks:
+    """The gradient hooks DeepSpeed registers on ``params`` while it builds its engine, held here instead of
+    given to torch, for a caller that must change those gradients before the engine reduces them (the TP
+    gradient sum, ``parallel.parallelize.TPGradSum``) and then runs them itself (``run``).
+
+    Why: ZeRO-1/2/3 reduce (and ZeRO-3 partitions) each gradient from a hook it registers with
+    ``register_post_accumulate_grad_hook`` during ``deepspeed.initialize``
+    (``tests/unit/test_engine_contract.py``); a hook the caller registers later would run after them, on a
+    gradient already reduced. While the engine is built (``capturing``) each parameter's
+    ``register_post_accumulate_grad_hook`` is shadowed by one that records the hook and returns a handle
+    whose ``remove`` forgets it."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = list(params)
+        self.hooks: list[list] = [[] for _ in self.params]
+
+    def run(self, i: int) -> None:
+        """Run the held hooks of parameter ``i``, in the order they were registered."""
+        for hook in self.hooks[i]:
+            hook(self.params[i])
+
+    @contextlib.contextmanager
+    def capturing(self):
+        for i, p in enumerate(self.params):
+            # an instance attribute shadows torch's method for these parameters only, and only here
+            p.register_post_accumulate_grad_hook = functools.partial(self._hold, i)  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            for p in self.params:
+                del p.register_post_accumulate_grad_hook
+
+    def _hold(self, i: int, hook) -> _HeldHandle:
+        self.hooks[i].append(hook)
+        return _HeldHandle(self.hooks[i], hook)
+
+
+class _HeldHandle:
+    """What ``register_post_accumulate_grad_hook`` returns, for a held hook."""
+
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 def build_engine(
@@ -108,23 +158,24 @@ def build_engine(
     scheduler,
     fp32_params: list[nn.Parameter] = (),
     fp32_attr: str = "",
-    while_building=None,
-):
-    """The DeepSpeed engine wrapping ``model`` (which it moves to the right device), ``optimizer`` and
-    ``scheduler``.
+    held_hooks: HeldGradHooks | None = None,
+) -> Engine:
+    """The engine (``facade.Engine``) wrapping ``model`` (which it moves to the right device),
+    ``optimizer`` and ``scheduler`` in DeepSpeed's.
 
     ``fp32_params``: parameters whose forward must compute from fp32 values in bf16 mode (GOAT's prior):
     kept fp32 through the cast at ZeRO 0-2; at ZeRO-3 their fp32 masters are mirrored into
     ``getattr(p, fp32_attr)`` before each forward (``zero3.install_fp32_mirror``).
-    ``while_building``: a context entered around DeepSpeed's initialisation (the TP gradient sum defers
-    the gradient hooks DeepSpeed registers meanwhile)."""
+    ``held_hooks``: the engine's gradient hooks on ``held_hooks.params`` are held there for its owner to
+    run (``HeldGradHooks``)."""
     import deepspeed
 
     patches.skip_shm_build()
     bf16, stage = cfg.train.precision == "bf16", cfg.parallel.zero_stage
     fp32_params = list(fp32_params)
     keep = fp32_params if bf16 and stage in patches.PRIOR_FP32_STAGES else []
-    with patches.keep_fp32_through_cast(keep), while_building or contextlib.nullcontext():
+    capturing = held_hooks.capturing() if held_hooks is not None else contextlib.nullcontext()
+    with patches.keep_fp32_through_cast(keep), capturing:
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -141,4 +192,4 @@ def build_engine(
         patches.undo_unfused_init_step(engine)
     if stage == 0 and bf16 and parallel_state.get_tensor_model_parallel_world_size() > 1:
         patches.mark_tp_gradients(model)
-    return engine
+    return Engine(engine)

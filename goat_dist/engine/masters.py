@@ -223,11 +223,16 @@ class Zero3(MasterLayout):
 
 
 def layout_of(engine, error: type[Exception] = RuntimeError) -> MasterLayout:
-    """The master layout of ``engine``'s optimizer; an unknown one is an ``error`` naming its type."""
+    """The master layout of ``engine``'s optimizer (a DeepSpeed engine, or the ``facade.Engine`` holding
+    one); an unknown one is an ``error`` naming its type."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from .facade import Engine
+
+    if isinstance(engine, Engine):
+        engine = engine.deepspeed
     opt = engine.optimizer
     kinds = (
         (DeepSpeedZeroOptimizer_Stage3, Zero3),

@@ -27,7 +27,16 @@ import contextlib
 import torch
 from torch import nn
 
-PRIOR_FP32_STAGES = (0, 1, 2)  # ZeRO stages whose bf16 mode can keep a group of fp32 parameters
+from .sizes import PRIOR_FP32_STAGES  # ZeRO stages whose bf16 mode can keep a group of fp32 parameters
+
+__all__ = [
+    "PRIOR_FP32_STAGES",
+    "keep_fp32_through_cast",
+    "mark_tp_gradients",
+    "record_grad_norm",
+    "skip_shm_build",
+    "undo_unfused_init_step",
+]
 
 
 def skip_shm_build() -> None:

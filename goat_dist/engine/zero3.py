@@ -69,6 +69,14 @@ def local_values(p) -> torch.Tensor:
     return partition_values(p) if is_partitioned(p) else p
 
 
+def mark_leaf(module: torch.nn.Module, leaf: bool = True) -> None:
+    """Mark ``module`` a ZeRO-3 leaf (DeepSpeed's ``_z3_leaf``, read by ``z3_leaf_module``) or not: ZeRO-3
+    then gathers all of its parameters in its own hooks and registers none on its submodules, so a compiled
+    block's forward runs no hook inside its graph (``model/compile.py``). A plain attribute: no effect
+    without ZeRO-3, and none on a model that is never given to the engine."""
+    module._z3_leaf = leaf  # type: ignore[assignment]  # a plain flag, not a submodule or a tensor
+
+
 def gathered(module: torch.nn.Module):
     """A context in which ``module``'s ZeRO-3 parameters are whole on every rank (read only; a no-op
     without ZeRO-3). Collective over the partition group."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from torch.utils.checkpoint import checkpoint
 
+from ..engine.zero3 import mark_leaf
 from .context import ContextParallel, context_parallel
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -80,9 +81,9 @@ def apply(
     model.context = context_parallel() if context == WORLD else context
     for block in model.blocks:
         block.compiled = compile
-        # ZeRO-3 (DeepSpeed) then gathers the block's parameters in the block's own hooks, outside the
-        # compiled forward, and registers none on its submodules (no hook inside the graph)
-        block._z3_leaf = compile
+        # ZeRO-3 then gathers the block's parameters in the block's own hooks, outside the compiled
+        # forward, and registers none on its submodules (no hook inside the graph)
+        mark_leaf(block, compile)
     if compile and getattr(model, "compile_clock", None) is None:
         blocks = len(model.blocks)
         main = not dist.is_initialized() or dist.get_rank() == 0

@@ -2,12 +2,13 @@
 
 The model is already made of megatron-core tensor-parallel layers; this adds what spans ranks: gradient
 reductions for parameters replicated across the TP group (``TPGradSum``, ours), and the engine
-(``goat_dist.engine.build_engine``: ZeRO over the data-parallel x context-parallel group).
+(``goat_dist.engine.build_engine``: ZeRO over the data-parallel x context-parallel group, returned as its
+facade ``goat_dist.engine.Engine``). What DeepSpeed does with gradients (its reduction hooks, which the TP
+sum must precede) is the engine's business: ``goat_dist.engine.HeldGradHooks`` holds them for the sum.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from .. import collectives
 from ..config import Config
-from ..engine.build import build_engine
+from ..engine.build import HeldGradHooks, build_engine
 from ..engine.zero3 import full_shape
 from ..goat.prior import FP32_FORWARD
 from ..optim import build_optimizer, is_prior
@@ -31,8 +32,9 @@ __all__ = [
 
 
 def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
-    """Returns the engine wrapping ``model`` (which it moves to the right device): the TP gradient sum
-    registered first, then the optimizer, then the engine (GOAT's prior computing in fp32 under bf16).
+    """Returns the engine (``goat_dist.engine.Engine``) wrapping ``model`` (which it moves to the right
+    device): the TP gradient sum registered first, then the optimizer, then the engine (GOAT's prior
+    computing in fp32 under bf16; the engine's gradient hooks on the summed parameters held for the sum).
 
     ``model`` may have been built already partitioned (ZeRO-3, ``engine.construct.partition_as_built``):
     its parameters are then placeholders, so the optimizer's groups read their shapes as the model
@@ -47,7 +49,7 @@ def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
         scheduler=scheduler,
         fp32_params=prior_params(model),
         fp32_attr=FP32_FORWARD,
-        while_building=tp_sum.defer_hooks() if tp_sum is not None else None,
+        held_hooks=tp_sum.held if tp_sum is not None else None,
     )
 
 
@@ -73,12 +75,13 @@ class TPGradSum:
     A tensor hook stashes each such parameter's incoming gradient and lets zeros be accumulated in its
     place; once all of them have arrived (or, for any that get none, when the backward ends), one fp32
     all-reduce sums the stash and each sum is added to its ``.grad``. Only then run the gradient hooks
-    that the engine registered on these parameters (held back by ``defer_hooks`` while the engine is
-    built): ZeRO's reductions see the summed gradients, as they did with a hook per parameter."""
+    that the engine registered on these parameters (``held``: the engine holds them there while it is
+    built, ``goat_dist.engine.HeldGradHooks``): ZeRO's reductions see the summed gradients, as they did
+    with a hook per parameter."""
 
     def __init__(self, params: list[nn.Parameter], group):
         self.params, self.group = params, group
-        self.deferred: list[list] = [[] for _ in params]
+        self.held = HeldGradHooks(params)  # the engine's hooks on these parameters, run after the sum
         self.all_reduces = 0  # collectives made so far (one per backward)
         self._reset()
         for i, p in enumerate(params):
@@ -102,7 +105,7 @@ class TPGradSum:
             self.flush()
 
     def flush(self) -> None:
-        """Sum the stashed gradients over TP, add them to ``.grad``, run the deferred hooks."""
+        """Sum the stashed gradients over TP, add them to ``.grad``, run the held hooks."""
         ready = [i for i, g in enumerate(self.stash) if g is not None]
         if ready:
             flat = torch.cat([self.stash[i].reshape(-1).float() for i in ready])
@@ -113,34 +116,7 @@ class TPGradSum:
                 grad.add_(part.view_as(grad).to(grad.dtype))
         self._reset()
         for i in ready:
-            for hook in self.deferred[i]:
-                hook(self.params[i])
-
-    @contextlib.contextmanager
-    def defer_hooks(self):
-        """Post-accumulate-grad hooks registered on these parameters meanwhile run after the TP sum."""
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook = functools.partial(self._defer, i)
-        try:
-            yield
-        finally:
-            for p in self.params:
-                del p.register_post_accumulate_grad_hook
-
-    def _defer(self, i: int, hook) -> _DeferredHandle:
-        self.deferred[i].append(hook)
-        return _DeferredHandle(self.deferred[i], hook)
-
-
-class _DeferredHandle:
-    """What ``register_post_accumulate_grad_hook`` returns, for a deferred hook."""
-
-    def __init__(self, hooks: list, hook):
-        self.hooks, self.hook = hooks, hook
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
+            self.held.run(i)
 
 
 def add_tp_grad_allreduce(model: nn.Module) -> TPGradSum | None:

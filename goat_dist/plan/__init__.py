@@ -5,7 +5,9 @@ costs, and a dry run that builds the real model and optimizer of a large world o
 
 May import: torch (the dry run builds on the meta device), ``goat_dist.config``, ``goat_dist.shapes``,
 ``goat_dist.precision``, ``goat_dist.rampup``, ``goat_dist.distributed``, ``goat_dist.optim``,
-``goat_dist.model`` and ``goat_dist.observe`` (FLOPs); never the trainer or the engine's internals.
+``goat_dist.model``, ``goat_dist.observe`` (FLOPs) and ``goat_dist.engine`` (only ``engine.sizes``: the
+buffer sizes and stage rules the engine is built with, importing nothing); never the trainer or the
+engine's internals.
 """
 
 from .checkpoint import checkpoint_cost

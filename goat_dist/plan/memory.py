@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 
 from ..config import Config
+from ..engine import sizes as engine_sizes
+from ..engine.sizes import FP32_ACCUMULATION_STAGES, ZERO0_ALLREDUCE_ELEMENTS
 from ..shapes import (
     SINK_HIDDEN,
     ParamSpec,
@@ -38,18 +40,17 @@ __all__ = [
 
 
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------
-# The engine's options that size its buffers, as ``engine.build.deepspeed_config`` sets them (a test
-# compares the two, so a change there shows here): reduce/all-gather buckets of h^2 elements, contiguous
-# gradients and overlapped communication on at every stage (overlap double-buffers the ZeRO-1/2 reduce
-# bucket; ZeRO-0 has none). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
+# The engine's options that size its buffers, from the sizes ``engine.build.deepspeed_config`` sets them
+# with (``goat_dist.engine.sizes``; a test compares the two): reduce/all-gather buckets of h^2 elements,
+# contiguous gradients and overlapped communication on at every stage (overlap double-buffers the ZeRO-1/2
+# reduce bucket; ZeRO-0 has none). ZeRO-0 all-reduces gradients at the boundary through flat buckets of
 # at most ``ZERO0_ALLREDUCE_ELEMENTS`` (the engine's fixed all-reduce size).
-ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 def zero_options(cfg: Config) -> dict:
     """The ZeRO settings the byte counts below assume for ``cfg`` (the same at every stage)."""
     return {
-        "reduce_bucket_size": cfg.model.hidden_size**2,
+        "reduce_bucket_size": engine_sizes.bucket_elements(cfg.model.hidden_size),
         "overlap_comm": True,
         "contiguous_gradients": True,
     }
@@ -82,10 +83,8 @@ def partition_overlap(sizes: list[int], dp: int) -> list[int]:
     return [sum(sizes[i] for i in touched) for touched in _touching(sizes, dp)]
 
 
-# ZeRO stages at which ``engine.build.deepspeed_config`` accumulates bf16 runs' gradients in fp32
-# (``parallel.grad_reduce_dtype=fp32`` with more than one micro-batch; DeepSpeed refuses ZeRO-0 and swaps
-# ZeRO-1's optimizer); a test compares the two
-FP32_ACCUMULATION_STAGES = (2, 3)
+# ``FP32_ACCUMULATION_STAGES`` (``goat_dist.engine.sizes``): the ZeRO stages at which the engine accumulates
+# bf16 runs' gradients in fp32 (``parallel.grad_reduce_dtype=fp32`` with more than one micro-batch)
 
 
 def _reduce_bytes(cfg: Config) -> int:
@@ -122,7 +121,7 @@ def _grad_bytes_per_element(cfg: Config, group: str, replicas: int = 1) -> int:
     """Gradient bytes of a group: the working dtype, except GOAT's prior, fp32 under bf16 at ZeRO 0-2, and
     every group's under fp32 accumulation (``_fp32_accumulation``, at ``replicas`` = DP x CP)."""
     bf16 = cfg.train.precision == "bf16"
-    if group == "prior" and bf16 and cfg.parallel.zero_stage < 3:
+    if group == "prior" and bf16 and cfg.parallel.zero_stage in engine_sizes.PRIOR_FP32_STAGES:
         return 4
     if _fp32_accumulation(cfg, replicas):
         return 4
@@ -160,7 +159,8 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
     n = sum(p.numel for p in inv)
     prior = sum(p.numel for p in inv if p.group == "prior")
     # the prior's fp32 working copy (engine/patches.py); under ZeRO-3 + bf16, its gathered fp32 values
-    prior_extra = (4 - w) * prior if stage < 3 else (4 * prior if bf16 else 0)  # (engine/zero3.py)
+    kept_fp32 = stage in engine_sizes.PRIOR_FP32_STAGES
+    prior_extra = (4 - w) * prior if kept_fp32 else (4 * prior if bf16 else 0)  # (engine/zero3.py)
     groups = _groups(inv)
     opts = zero_options(cfg)
     bucket_elements = opts["reduce_bucket_size"]
@@ -203,7 +203,7 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
             waiting = w * largest if largest > bucket_elements else 0
             buffers = bucket + copies * grads + waiting
     else:
-        persistent = 10 * m.hidden_size  # ZeRO-3's persistence threshold (engine.build.deepspeed_config)
+        persistent = engine_sizes.persistence_threshold(m.hidden_size)  # smaller ones are kept whole
         part = sum(_ceil_div(p.numel, dp) for p in inv)  # every parameter partitioned on its own
         kept = sum(p.numel for p in inv if p.numel <= persistent)  # small ones also kept whole
         params = w * (part + kept) + prior_extra
@@ -241,7 +241,7 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     layer = sum(p.numel for p in inv if p.name.startswith("blocks.0."))
     out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "recompute": 0, "params_norm": 0}
     if stage == 3:
-        out["zero3_gather"] = w * (2 * layer + int(0.9 * m.hidden_size**2))
+        out["zero3_gather"] = w * (2 * layer + engine_sizes.prefetch_elements(m.hidden_size))
     if stage == 0 and dp > 1:
         # an fp32 reduction (parallel.grad_reduce_dtype) of bf16 gradients casts the flat copy to fp32 too
         cast = 4 if bf16 and _reduce_bytes(cfg) == 4 else 0

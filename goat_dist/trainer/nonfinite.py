@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from .. import collectives
-from ..engine.steps import first_nonfinite_gradient
 from ..engine.zero3 import local_values
 
 __all__ = [
@@ -62,11 +61,12 @@ def describe_sample(dataset, n: int) -> str:
 def raise_nonfinite(engine, step: int, control, samples: list[int], dataset, reason: str = "") -> None:
     """Collective on the error path: agree on the offending data and parameter, then raise on every rank.
 
-    ``samples``: the global samples of this rank's first micro-batch with a non-finite loss (or [])."""
+    ``engine``: the ``goat_dist.engine.Engine`` (which names the parameter); ``samples``: the global samples
+    of this rank's first micro-batch with a non-finite loss (or [])."""
     first = torch.tensor([samples[0] if samples else -1], dtype=torch.long)
     gathered = collectives.all_gather(first)
     offending = [(rank, int(t)) for rank, t in enumerate(gathered) if int(t) >= 0]
-    param = first_nonfinite_gradient(engine)
+    param = engine.first_nonfinite_gradient()
     what = "loss" if control.nonfinite_loss else "gradient"
     parts = [f"step {step}: non-finite {what}" + (f" ({reason})" if reason else "")]
     if offending:

@@ -33,7 +33,8 @@ class RunState:
 @dataclass
 class LoopState:
     """What one training loop of this process tracks besides the run state (never saved): made once by
-    the trainer, (re)started by ``Trainer.start_loop``, read by callbacks through ``trainer.loop``."""
+    the trainer, (re)started by ``Trainer.start_loop``; callbacks read what they need of it through their
+    API (``callbacks.api.TrainerAPI``: ``first_step``, ``last_step_s``, ``data``)."""
 
     loader: object = None  # this rank's training DataLoader (its dataset maps micro-batches to samples)
     first_step: int = 0  # the run state's step when this loop started

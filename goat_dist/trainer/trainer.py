@@ -1,12 +1,16 @@
 """The training loop. Everything else (logging, parallelism, data) is set up around it.
 
-The loop trains and tells its callbacks (``callbacks/``) what happens; checkpoints, evaluation, pictures,
+The loop trains the engine (``goat_dist.engine.Engine``: the model behind DeepSpeed, whose details stay in
+that package) and tells its callbacks (``callbacks/``) what happens; checkpoints, evaluation, pictures,
 throughput and memory are callbacks of their own, as are the loggers and the user's ``train.callbacks``.
-A callback asks for a save or a stop with ``request_save`` / ``request_stop``: the request travels in the
-step's one collective (``control.agree``), so every rank honours it at the same step boundary."""
+Callbacks see the trainer through ``callbacks.api.TrainerAPI``, never its attributes, and their state is
+saved with each checkpoint (``checkpoint_record``) and restored on resume. A callback asks for a save or a
+stop with ``request_save`` / ``request_stop``: the request travels in the step's one collective
+(``control.agree``), so every rank honours it at the same step boundary."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -18,7 +22,6 @@ from ..config import Config, save_config
 from ..data import contract as data_contract
 from ..data.batches import data_sources, train_loader, val_loader
 from ..engine.construct import partition_as_built
-from ..engine.steps import local_grads_nonfinite, set_micro_batches, update_dropped
 from ..model import GPT
 from ..parallel.parallelize import parallelize
 from ..precision import autocast_context, resolve_precision
@@ -34,10 +37,12 @@ from .callbacks import (
     PriorPictures,
     TensorBoardLogger,
     Throughput,
+    TrainerAPI,
     load_callbacks,
     start_info,
 )
 from .control import StepControl, agree, batch_fingerprint
+from .deadline import Deadline
 from .signals import HANG_FRACTION, StopSignals
 from .state import LoopState, RunState
 
@@ -83,7 +88,13 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.state = RunState()
         log = print if self.layout.is_main else (lambda *a, **k: None)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.layout.is_main)
+        # a save's progress reaches the callbacks as events (``on_checkpoint_<name>``): one event bus
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            cfg.checkpoint.keep_last,
+            self.layout.is_main,
+            events=lambda name, *args: self.emit(f"on_checkpoint_{name}", *args),
+        )
         # where the run starts decides GOAT's L_train before the model exists: its own checkpoint
         # (train.resume), else train.init_from (a new run from another run's weights), else nothing
         self._start = self.checkpoints.choose_resume(cfg.train.resume)
@@ -106,12 +117,18 @@ class Trainer:
         self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
         given = callbacks if callbacks is not None else self._default_loggers()
         self.contract = data_contract.data_contract(cfg, self.sources)
+        self.saved_callbacks: dict = {}  # the callbacks' states in the checkpoint resumed from
         self.resumed_from = self._resume()
         self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
         self.loop = LoopState(first_step=self.state.step)
-        self.checkpointing = Checkpointing(self)
-        jobs = [Throughput(self), Evaluation(self), PriorPictures(self), self.checkpointing, MemoryUse()]
-        self.callbacks: list = [*jobs, *given, *plugins]
+        self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
+        self.checkpointing = Checkpointing(
+            cfg, self.checkpoints, self.engine, self.checkpoint_record, self.deadline
+        )
+        jobs = [Throughput(cfg), Evaluation(cfg, self.val_batches), PriorPictures(cfg), self.checkpointing]
+        self.callbacks: list = [*jobs, MemoryUse(), *given, *plugins]
+        self.api = TrainerAPI(self)  # what callbacks see of the trainer
+        self._restored: set[int] = set()  # the callbacks that had their chance at a saved state
         self._attach()
 
     def _resume(self) -> Path | None:
@@ -141,9 +158,12 @@ class Trainer:
         saved = self.checkpoints.load(self.engine, path, self.layout_record(), contract=self.contract)
         self.checkpoints.begin(path, saved["step"])
         self.state.load_state_dict(saved["run_state"])
+        self.saved_callbacks = saved.get("callbacks") or {}  # none before callbacks had state: fresh
         kept = data_contract.keep_window_order(saved.get("data_contract"), self.cfg, self.contract)
         if kept and self.layout.is_main:
-            print(f"data.window_order={kept}: the order this run's data stream began with (kept by the resume)")
+            print(
+                f"data.window_order={kept}: the order this run's data stream began with (kept by the resume)"
+            )
         restart = data_contract.check(
             saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
         )
@@ -166,8 +186,23 @@ class Trainer:
             "cp": lay.cp,  # informative: world, tp and dp fix it
             "zero_stage": self.cfg.parallel.zero_stage,
             "precision": "bf16" if self.cfg.train.precision == "bf16" else "fp32",  # DeepSpeed's mode
-            "param_groups": [g.get("name") for g in self.engine.optimizer.param_groups],
+            "param_groups": self.engine.param_group_names(),
         }
+
+    def checkpoint_record(self) -> dict:
+        """What ``trainer_state.json`` holds: the step, the run state, the data contract, the layout and
+        the callbacks' states (only when one has state: ``callback_states``)."""
+        record = {
+            "step": self.state.step,
+            "init_from": None if self.init_source is None else str(self.init_source),
+            "run_state": self.state.state_dict(),
+            "data_contract": self.contract,
+            **self.layout_record(),
+        }
+        states = self.callback_states()
+        if states:
+            record["callbacks"] = states
+        return record
 
     def _default_loggers(self) -> list[Callback]:
         if not self.layout.is_main:
@@ -189,12 +224,49 @@ class Trainer:
 
     # ---- callbacks ----------------------------------------------------------------------------------
     def _attach(self) -> None:
-        """Every callback (also those appended to ``self.callbacks`` since) gets the trainer; they run in
-        ascending ``order``, then as given."""
+        """Every callback (also those appended to ``self.callbacks`` since) gets the callbacks' API, and,
+        the first time, its state from the checkpoint resumed from; they run in ascending ``order``, then
+        as given."""
         self.callbacks.sort(key=lambda cb: getattr(cb, "order", Callback.order))
+        keys = self._state_keys()
         for cb in self.callbacks:
             if hasattr(cb, "attach"):
-                cb.attach(self)
+                cb.attach(self.api)
+            if id(cb) in self._restored:
+                continue
+            self._restored.add(id(cb))
+            load = getattr(cb, "load_state_dict", None)
+            if load is not None and keys[id(cb)] in self.saved_callbacks:
+                load(self.saved_callbacks[keys[id(cb)]])
+
+    def _state_keys(self) -> dict[int, str]:
+        """Each callback's key among a checkpoint's callback states: its ``state_key`` or class name, the
+        second of a kind numbered ``#2``, and so on in the callbacks' order."""
+        keys: dict[int, str] = {}
+        seen: dict[str, int] = {}
+        for cb in self.callbacks:
+            base = getattr(cb, "state_key", None) or type(cb).__name__
+            seen[base] = seen.get(base, 0) + 1
+            keys[id(cb)] = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        return keys
+
+    def callback_states(self) -> dict:
+        """``{key: state}`` of the callbacks whose ``state_dict()`` returns one; a state that JSON cannot
+        hold is a TypeError naming its callback (it goes to ``trainer_state.json``)."""
+        keys, states = self._state_keys(), {}
+        for cb in self.callbacks:
+            get = getattr(cb, "state_dict", None)
+            state = get() if get is not None else None
+            if state is None:
+                continue
+            try:
+                json.dumps(state)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"callback {keys[id(cb)]}: state_dict() must hold JSON values only: {e}"
+                ) from e
+            states[keys[id(cb)]] = state
+        return states
 
     def add_callback(self, callback) -> None:
         self.callbacks.append(callback)
@@ -273,15 +345,19 @@ class Trainer:
         )
         micro_batches = size // (t.micro_batch_size * self.layout.dp)
         if micro_batches != self.grad_accum:
-            set_micro_batches(self.engine, micro_batches)
+            self.engine.set_micro_batches(micro_batches)
             self.grad_accum = micro_batches
         return size
 
     def batch(self, it) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """The next micro-batch of ``it`` on this rank's device (tokens, positions, labels) and as loaded."""
         b = next(it)
+        return (*self.to_device(b), b)
+
+    def to_device(self, b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A loader batch's tokens, positions and labels on this rank's device."""
         move = lambda t: t.to(self.layout.device, non_blocking=True)  # no host sync per micro-batch
-        return move(b["tokens"]), move(b["position_ids"]), move(b["labels"]), b
+        return move(b["tokens"]), move(b["position_ids"]), move(b["labels"])
 
     def train_step(self, it) -> StepControl:
         """One optimizer step (``grad_accum`` micro-batches) and the step's one collective.
@@ -301,10 +377,8 @@ class Trainer:
             valid += unreadable.valid_labels(raw)  # host-side, from the loader's batch
             with self.autocast():
                 loss = self._forward(tokens, positions, labels, micro)
-            self.engine.backward(loss)
+            self.engine.backward(loss, last=micro == self.grad_accum - 1)
             losses.append(loss.detach().float())
-            if micro < self.grad_accum - 1:
-                self.engine.step()  # not a boundary: DeepSpeed only counts the micro-batch
         self.emit("post_backward")  # the last moment for a request this step's collective carries
         losses_t = torch.stack(losses)
         bad_loss = torch.isfinite(losses_t).logical_not()
@@ -312,7 +386,7 @@ class Trainer:
             loss_sum=torch.nan_to_num(losses_t, nan=0.0, posinf=0.0, neginf=0.0).sum(),
             micro_batches=self.grad_accum,
             nonfinite_loss=bad_loss.sum(),
-            nonfinite_grad=local_grads_nonfinite(self.engine),
+            nonfinite_grad=self.engine.grads_nonfinite(),
             fingerprint=fingerprint,
             skipped=skipped,
             valid_labels=valid,
@@ -331,11 +405,7 @@ class Trainer:
             dataset, main = loop.loader.dataset, self.layout.is_main
             unreadable.count_step(self.state, control, self.cfg.train, dataset, first_micro, main)
         self.emit("pre_optim_step", control)
-        if control.dropped:
-            with update_dropped(self.engine):
-                self.engine.step()
-        else:
-            self.engine.step()
+        self.engine.step(drop=control.dropped)
         return control
 
     def _forward(self, tokens, positions, labels, micro: int) -> torch.Tensor:

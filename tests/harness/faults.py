@@ -65,7 +65,7 @@ class NaNGradient(_LossFault):
     """A finite loss whose gradient is NaN: value 0 added, gradient 0 * inf on the first parameter."""
 
     def poison(self, loss):
-        weight = next(self.trainer.engine.module.parameters())
+        weight = next(self.trainer.model.parameters())
         return loss + (weight.sum() * 0).sqrt()
 
 
@@ -81,7 +81,7 @@ class NaNWeights(Callback):
     def post_step(self, state, control):
         if state.step in self.steps:
             with torch.no_grad():
-                next(self.trainer.engine.module.parameters()).view(-1)[0] = float("nan")
+                next(self.trainer.model.parameters()).view(-1)[0] = float("nan")
 
 
 class KillAfter(Callback):
@@ -99,21 +99,16 @@ class KillAfter(Callback):
 
 
 class _CheckpointFault(Callback):
-    """Listens to the checkpoint manager (``CheckpointManager.listeners``)."""
+    """A fault at a point of a save's progress (the callbacks' ``on_checkpoint_*`` events)."""
 
     def __init__(self, step):
         self.tags = {tag_for(s) for s in _steps(step)}
-
-    def attach(self, trainer):
-        super().attach(trainer)
-        if self not in trainer.checkpoints.listeners:
-            trainer.checkpoints.listeners.append(self)
 
 
 class KillBeforePublish(_CheckpointFault):
     """SIGKILL once every rank wrote the shards of step ``step``, before the checkpoint is published."""
 
-    def shards_written(self, step_dir, step):
+    def on_checkpoint_shards_written(self, state, step_dir, step):
         if Path(step_dir).name in self.tags:
             _kill()
 
@@ -121,6 +116,6 @@ class KillBeforePublish(_CheckpointFault):
 class KillMidAsyncWrite(_CheckpointFault):
     """SIGKILL after the first file of step ``step``'s background write (``checkpoint.async``)."""
 
-    def file_written(self, step_dir, name):
+    def on_checkpoint_file_written(self, state, step_dir, name):
         if Path(step_dir).name in self.tags:
             _kill()

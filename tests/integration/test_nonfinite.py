@@ -137,13 +137,13 @@ def test_a_nonfinite_gradient_drops_the_update_under_every_zero_stage(
 
     assert not trainer.train_step(it).nonfinite
     trainer.state.step = 1
-    before, lr = snapshot(), trainer.engine.get_lr()[0]
+    before, lr = snapshot(), trainer.engine.lr
     trainer.add_callback(NaNGradient(2))  # only at step 2
     control = trainer.train_step(it)
     assert control.nonfinite_grad and not control.nonfinite_loss
     after = snapshot()
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "the update was applied"
-    assert trainer.engine.get_lr()[0] == lr and trainer.state.nonfinite_skipped == 1
+    assert trainer.engine.lr == lr and trainer.state.nonfinite_skipped == 1
     trainer.state.step = 2
     assert not trainer.train_step(it).nonfinite  # gradients were cleared: nothing stale carries over
     assert any(not torch.equal(a, b) for a, b in zip(after, snapshot()))
@@ -165,11 +165,12 @@ def _zero3_padding_rank(layout) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = parallelize(model, cfg, grad_accum=1)
+    opt = engine.deepspeed.optimizer
     padded = []
     with torch.no_grad():
         for name, p in model.named_parameters():
             _, real = partition_span(p)
-            master = engine.optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)[0]
+            master = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)[0]
             if real < p.ds_tensor.numel():
                 p.ds_tensor.view(-1)[real:] = float("nan")
                 master.view(-1)[real:] = float("nan")

@@ -109,7 +109,8 @@ def _built_partitioned_rank(layout) -> dict:
     for key, m in (("built", model), ("whole", whole)):
         engine = parallelize(m, cfg, 1)
         names = {id(p): n for n, p in m.named_parameters()}
-        groups = zip(engine.optimizer.optimizer.param_groups, engine.optimizer.fp16_groups)  # ZeRO-3's
+        opt = engine.deepspeed.optimizer  # ZeRO-3's
+        groups = zip(opt.optimizer.param_groups, opt.fp16_groups)
         result[f"{key}_groups"] = {g["name"]: sorted(names[id(p)] for p in ps) for g, ps in groups}
         result[f"{key}_losses"] = _two_steps(engine, cfg.model.vocab_size)
     return result

@@ -62,13 +62,13 @@ def test_extension_stage_keeps_train_len_and_trains(stage1, builtin_cache, tmp_p
     assert prior_train_lens(trainer) == {STAGE1_LEN}
     # the weights are stage 1's fp32 masters; Adam's moments only with init_optimizer
     saved, _ = universal.read_full(stage1, ("", "exp_avg"))
-    state = trainer.engine.optimizer.state
+    state = trainer.engine.deepspeed.optimizer.state
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p.detach(), saved[name][""]), name
         moment = state[p]["exp_avg"] if p in state and "exp_avg" in state[p] else torch.zeros_like(p)
         expected = saved[name]["exp_avg"] if init_optimizer else torch.zeros_like(p)
         assert torch.equal(moment, expected), name
-    assert trainer.engine.get_lr()[0] == pytest.approx(1e-3 / 2)  # its own schedule, from step 0
+    assert trainer.engine.lr == pytest.approx(1e-3 / 2)  # its own schedule, from step 0
     trainer.fit()
     losses = [loss for loss, _ in per_step(run_dir).values()]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)

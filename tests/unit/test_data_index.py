@@ -383,7 +383,4 @@ def test_a_checkpoint_from_before_window_order_resumes_in_its_own_order(
         assert again.loop.loader.dataset.schedules[0].window_order == kept
         del it
     assert "data.window_order=numpy" in messages[0][1]
-    if "data.window_order=keyed" not in messages[1][1]:
-        pytest.xfail(
-            "trainer.py names a fixed 'numpy' as the order kept; it should print keep_window_order's"
-        )
+    assert "data.window_order=keyed" in messages[1][1]

@@ -1,6 +1,8 @@
 """What ``goat_dist.engine`` assumes of DeepSpeed, one test per assumption, so that a DeepSpeed upgrade
-names the one that broke. One process, gloo, a model of three small tensors (no megatron layers): each
-test builds the engines it needs in about a second."""
+names the one that broke, and that its facade (``Engine``) does what the trainer and checkpoints rely on.
+One process, gloo, a model of three small tensors (no megatron layers): each test builds the engines it
+needs in about a second. The contract tests read DeepSpeed's engine (``Engine.deepspeed``) directly: that
+is what they check."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import torch
 from multiproc import one_layer_config
 from torch import nn
 
-from goat_dist.engine import masters, patches, steps, zero3
-from goat_dist.engine.build import build_engine
+from goat_dist.engine import masters, patches, sizes, steps, zero3
+from goat_dist.engine.build import HeldGradHooks, build_engine
+from goat_dist.engine.facade import Engine
 from goat_dist.engine.memory import training_state_bytes
 
 ATTR = "fp32_forward"  # the attribute the fp32 mirror attaches (as GOAT's prior reads it)
@@ -34,9 +37,9 @@ class Tiny(nn.Module):
         return (self.proj(x.to(self.proj.weight.dtype)).float() * prior.float().sum()).pow(2).mean()
 
 
-def build(stage: int, precision: str = "fp32", fp32: bool = False, defer=None, accum: int = 1):
-    """(model, engine); ``defer(model)`` may return a context to enter while the engine is built;
-    ``accum``: micro-batches per step."""
+def build_facade(stage: int, precision: str = "fp32", fp32: bool = False, held=None, accum: int = 1):
+    """(model, ``Engine``); ``held(model)`` may return the ``HeldGradHooks`` the engine's gradient hooks
+    go to; ``accum``: micro-batches per step."""
     cfg = one_layer_config(
         f"parallel.zero_stage={stage}", f"train.precision={precision}", "train.grad_clip=1.0"
     )
@@ -55,9 +58,16 @@ def build(stage: int, precision: str = "fp32", fp32: bool = False, defer=None, a
         scheduler=sched,
         fp32_params=[model.prior] if fp32 else [],
         fp32_attr=ATTR,
-        while_building=None if defer is None else defer(model),
+        held_hooks=None if held is None else held(model),
     )
+    assert isinstance(engine, Engine)
     return model, engine
+
+
+def build(stage: int, precision: str = "fp32", fp32: bool = False, held=None, accum: int = 1):
+    """(model, DeepSpeed's engine) for the contract tests (``build_facade``'s arguments)."""
+    model, engine = build_facade(stage, precision, fp32, held, accum)
+    return model, engine.deepspeed
 
 
 def backward(engine, scale: float = 1.0, seed: int = 1) -> None:
@@ -263,19 +273,20 @@ def test_the_first_nonfinite_gradient_is_named_from_deepspeeds_full_grad(world1)
 
 def test_deepspeed_hooks_the_gradients_through_post_accumulate_hooks(world1):
     """ZeRO-1/2 reduce a gradient from a hook registered with ``register_post_accumulate_grad_hook``
-    while the engine is built; the TP gradient sum defers exactly those (``TPGradSum.defer_hooks``)."""
+    while the engine is built; ``HeldGradHooks`` holds exactly those for the TP gradient sum, which runs
+    them after its own all-reduce."""
     import torch.distributed as dist
 
     from goat_dist.parallel.parallelize import TPGradSum
 
     sums = []
 
-    def defer(model):
+    def held(model):
         sums.append(TPGradSum(list(model.parameters()), dist.group.WORLD))
-        return sums[0].defer_hooks()
+        return sums[0].held
 
-    _, engine = build(2, defer=defer)
-    assert all(len(hooks) >= 1 for hooks in sums[0].deferred)  # DeepSpeed's hook on every parameter
+    _, engine = build(2, held=held)
+    assert all(len(hooks) >= 1 for hooks in sums[0].held.hooks)  # DeepSpeed's hook on every parameter
     backward(engine)
     assert sums[0].all_reduces == 1
     assert float(torch.stack([g.abs().sum() for g in engine.optimizer.averaged_gradients[0]]).sum()) > 0
@@ -345,3 +356,72 @@ def test_fp32_accumulation_is_refused_at_zero0_and_swaps_zero1s_optimizer(world1
     assert type(zero1.optimizer) is BF16_Optimizer
     with pytest.raises(RuntimeError, match="unknown optimizer layout"):
         masters.layout_of(zero1)
+
+
+def test_the_sizes_the_planner_counts_are_deepspeeds():
+    """``sizes`` is what the config sets and the planner counts: ZeRO-0's all-reduce bucket is DeepSpeed's
+    fixed size, and ``deepspeed_config``'s buckets and thresholds are ``sizes``' functions of the model."""
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    from goat_dist.engine.build import deepspeed_config
+
+    assert sizes.ZERO0_ALLREDUCE_ELEMENTS == MEMORY_OPT_ALLREDUCE_SIZE
+    cfg = one_layer_config("parallel.zero_stage=3")
+    zero = deepspeed_config(cfg, 1)["zero_optimization"]
+    h = cfg.model.hidden_size
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == sizes.bucket_elements(h)
+    assert zero["stage3_prefetch_bucket_size"] == sizes.prefetch_elements(h)
+    assert zero["stage3_param_persistence_threshold"] == sizes.persistence_threshold(h)
+    assert patches.PRIOR_FP32_STAGES is sizes.PRIOR_FP32_STAGES
+
+
+def test_held_hooks_run_when_their_owner_says_and_can_be_removed():
+    p = nn.Parameter(torch.ones(2))
+    held, calls = HeldGradHooks([p]), []
+    with held.capturing():
+        kept = p.register_post_accumulate_grad_hook(lambda q: calls.append("kept"))
+        gone = p.register_post_accumulate_grad_hook(lambda q: calls.append("gone"))
+    gone.remove()
+    assert "register_post_accumulate_grad_hook" not in vars(p)  # torch's own method again
+    p.sum().backward()
+    assert calls == []  # held: torch never saw them
+    held.run(0)
+    assert calls == ["kept"] and kept is not None
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_facade_steps_as_deepspeeds_own_calls(world1, stage):
+    """Two micro-batches through ``Engine.backward(last=False)`` / ``backward`` / ``step`` give the
+    masters, counters, norm and LR of DeepSpeed's own backward/step per micro-batch; ``step(drop=True)``
+    changes nothing (the next step trains); the facade's other reads answer as DeepSpeed does."""
+    _, ours = build_facade(stage, accum=2)
+    _, theirs = build(stage, accum=2)
+    for _ in range(2):
+        ours.backward(_loss(ours, seed=1), last=False)
+        ours.backward(_loss(ours, seed=2))
+        assert float(ours.grads_nonfinite()) == 0.0
+        ours.step()
+        for seed in (1, 2):
+            backward(theirs, seed=seed)
+            theirs.step()
+    model = ours.module
+    assert ours.step_counters() == steps.step_counters(theirs)
+    assert ours.grad_norm() == steps.global_grad_norm(theirs) > 0
+    assert ours.lr == theirs.get_lr()[0] and ours.scheduler is ours.deepspeed.lr_scheduler
+    expected, got = full_values(theirs, theirs.module), full_values(ours, model)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+    ours.backward(_loss(ours, seed=1) * float("nan"), last=False)
+    ours.backward(_loss(ours, seed=2))
+    assert float(ours.grads_nonfinite()) == 1.0 and ours.first_nonfinite_gradient() is not None
+    ours.step(drop=True)
+    assert ours.step_counters()["skipped_steps"] == 1
+    assert all(torch.equal(got[n], v) for n, v in full_values(ours, model).items())
+    assert ours.param_group_names() == [None, None]  # this test's groups have no names
+    assert ours.state_bytes()["total"] == training_state_bytes(model, ours.deepspeed.optimizer)["total"]
+    with ours.evaluating():
+        assert not model.training
+    assert model.training
+
+
+def _loss(engine, seed: int) -> torch.Tensor:
+    return engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)))

@@ -1,6 +1,8 @@
 """The package's import floors: every top-level unit of ``goat_dist`` (a package or a module) imports only
 units on a lower floor, so the import graph is acyclic and a reader knows which way dependencies run; and
-each package's ``__init__`` docstring names what it may import, which this test holds it to.
+each package's ``__init__`` docstring names what it may import, which this test holds it to. Some
+third-party packages are one unit's alone (``RESTRICTED``): only ``goat_dist/engine/`` imports
+``deepspeed``, so that DeepSpeed's API and behaviour are assumed in one place.
 
 Every import counts, the lazy ones inside functions included; ``if TYPE_CHECKING:`` blocks do not (they
 never run)."""
@@ -30,6 +32,9 @@ FLOORS = [
     {"__main__"},
 ]
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
+
+# third-party packages that only the named units may import
+RESTRICTED = {"deepspeed": {"engine"}}
 
 
 def _unit(path: Path) -> str:
@@ -75,6 +80,29 @@ def imported_units(path: Path) -> set[str]:
     return units - {_unit(path)}
 
 
+def third_party_imports(source: str) -> set[str]:
+    """The top-level names of the absolute imports in ``source`` (``deepspeed`` for ``from
+    deepspeed.utils import x``), lazy ones included, ``TYPE_CHECKING`` blocks left out."""
+    tree = ast.parse(source)
+    skip = _type_checking_lines(tree)
+    names = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+    return names
+
+
+def restricted_imports(path: Path, source: str | None = None) -> set[str]:
+    """The ``RESTRICTED`` packages ``path`` imports although its unit may not."""
+    unit = _unit(path)
+    found = third_party_imports(path.read_text() if source is None else source)
+    return {name for name in found & set(RESTRICTED) if unit not in RESTRICTED[name]}
+
+
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 
@@ -116,3 +144,27 @@ def test_a_cycle_would_be_caught(tmp_path):
     tree_units = imported_units(fake)
     assert "shapes" in tree_units  # config's lazy ``from ..shapes import ...`` inside a function
     assert FLOOR["shapes"] < FLOOR["config"]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_restricted_packages_are_imported_only_where_allowed(path):
+    found = restricted_imports(path)
+    assert not found, f"{path.relative_to(PACKAGE.parent)} imports " + ", ".join(
+        f"{name} (only {sorted(RESTRICTED[name])} may)" for name in sorted(found)
+    )
+
+
+def test_a_deepspeed_import_outside_the_engine_would_be_caught():
+    """Lazy, aliased or submodule imports of DeepSpeed outside ``engine/`` fail the test above; inside it,
+    or under ``TYPE_CHECKING``, they do not."""
+    outside, inside = PACKAGE / "trainer" / "trainer.py", PACKAGE / "engine" / "build.py"
+    for source in (
+        "import deepspeed",
+        "def f():\n    from deepspeed.utils import safe_get_full_grad\n",
+        "import deepspeed.comm as dc",
+    ):
+        assert restricted_imports(outside, source) == {"deepspeed"}, source
+        assert restricted_imports(inside, source) == set(), source
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import deepspeed\n"
+    assert restricted_imports(outside, typing_only) == set()
+    assert restricted_imports(outside, "from .deepspeed_notes import x") == set()  # relative: ours

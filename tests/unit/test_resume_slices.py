@@ -180,7 +180,7 @@ def test_universal_round_trip_every_precision_and_stage(precision, stage, fmt, w
     fresh_model, fresh = _build(cfg, seed=7)
     universal.load(fresh, fresh_model, tmp_path, step=5 if fmt == 2 else 3)
     steps = {float(torch.as_tensor(s["step"])) for s in layout_of(fresh).base.state.values()}
-    assert steps == {3.0} and fresh.lr_scheduler.last_epoch == engine.lr_scheduler.last_epoch == 3
+    assert steps == {3.0} and fresh.scheduler.last_epoch == engine.scheduler.last_epoch == 3
 
     saved, loaded = layout_of(engine), layout_of(fresh)
     saved.prepare()

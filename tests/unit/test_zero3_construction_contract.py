@@ -43,7 +43,7 @@ def test_initialize_takes_the_partitions_as_they_are(world1):
     cfg, model, whole, _ = _built("train.precision=bf16")
     before = {n: (p.ds_id, p.ds_tensor) for n, p in model.named_parameters()}
     engine = parallelize(model, cfg, grad_accum=1)
-    opt = engine.optimizer
+    opt = engine.deepspeed.optimizer
     for name, p in model.named_parameters():
         ds_id, partition = before[name]
         assert p.ds_id == ds_id, name  # not converted a second time

@@ -67,7 +67,7 @@ def watch_epilogue(engine, seen: list, active: list) -> None:
     ZeRO-3 rank the last parameter gathered whole with its unreduced gradient."""
     from goat_dist.engine.memory import training_state_bytes
 
-    opt = engine.optimizer
+    opt = engine.deepspeed.optimizer
     original = getattr(opt, "independent_gradient_partition_epilogue", None)
     if original is None:
         return
@@ -82,7 +82,6 @@ def watch_epilogue(engine, seen: list, active: list) -> None:
 
 def measure_case(overrides: list[str], layout) -> dict:
     from goat_dist.config import load_config
-    from goat_dist.engine.memory import training_state_bytes
     from goat_dist.model import GPT
     from goat_dist.parallel.parallelize import parallelize
     from goat_dist.trainer.trainer import autocast_context, gradient_accumulation
@@ -111,7 +110,7 @@ def measure_case(overrides: list[str], layout) -> dict:
         with autocast(), recording if micro == 0 else contextlib.nullcontext():
             loss = engine(*batch)
         engine.backward(loss)
-        state = training_state_bytes(engine.module, engine.optimizer)
+        state = engine.state_bytes()
         if final:
             boundary = state
         else:

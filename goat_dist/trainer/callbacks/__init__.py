@@ -1,8 +1,10 @@
 """Callbacks keep the loop short: the trainer's own jobs and the loggers live here (``base`` lists the
-events). Jobs, on every rank: ``Throughput`` (the logged metrics), ``Evaluation``, ``PriorPictures``,
-``Checkpointing``, ``MemoryUse``. Loggers, on the main rank: ``ConsoleLogger``, ``JsonlLogger``,
-``TensorBoardLogger``. The user's own: ``train.callbacks`` (``plugins``)."""
+events and how a callback's state survives a resume; ``api`` is what a callback sees of the trainer,
+``TrainerAPI``). Jobs, on every rank: ``Throughput`` (the logged metrics), ``Evaluation``,
+``PriorPictures``, ``Checkpointing``, ``MemoryUse``. Loggers, on the main rank: ``ConsoleLogger``,
+``JsonlLogger``, ``TensorBoardLogger``. The user's own: ``train.callbacks`` (``plugins``)."""
 
+from .api import DataPosition, TrainerAPI
 from .banner import start_info
 from .base import Callback
 from .checkpointing import Checkpointing
@@ -17,12 +19,14 @@ __all__ = [
     "Callback",
     "Checkpointing",
     "ConsoleLogger",
+    "DataPosition",
     "Evaluation",
     "JsonlLogger",
     "MemoryUse",
     "PriorPictures",
     "TensorBoardLogger",
     "Throughput",
+    "TrainerAPI",
     "load_callbacks",
     "start_info",
 ]

@@ -51,7 +51,7 @@ def start_info(trainer) -> dict:
         + (f"{peak / 1e12:.2f} TFLOP/s per device" if peak else "unknown")
         + f" ({peak_source})",
     ]
-    deadline = trainer.checkpointing.deadline
+    deadline = trainer.deadline
     if deadline is not None:
         lines.append(f"{deadline.describe()}: saves and exits 75 before it")
     return {"record": record, "lines": lines}

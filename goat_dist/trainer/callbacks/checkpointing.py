@@ -1,4 +1,4 @@
-"""Checkpoint policy and assembly: when the run saves, what a checkpoint holds besides the engine's state.
+"""Checkpoint policy: when the run saves (what ``trainer_state.json`` holds is the trainer's record).
 
 A checkpoint is saved at a step boundary when
 
@@ -24,22 +24,25 @@ import yaml
 
 from ... import collectives
 from .. import nonfinite
-from ..deadline import Deadline
 from .base import Callback
 
 
 class Checkpointing(Callback):
+    """The checkpoint policy's job. Built by the trainer with what a save needs: ``checkpoints`` (the
+    ``CheckpointManager``), ``engine`` (whose state is saved), ``record`` (a function returning what
+    ``trainer_state.json`` holds: the run state, data contract, layout and callbacks' states) and the
+    ``deadline``; the rest through the callbacks' API (``self.trainer``)."""
+
     order = 40  # after logging, evaluation and pictures at a step boundary; before the loggers end
 
-    def __init__(self, trainer):
-        self.attach(trainer)
-        cfg = trainer.cfg
+    def __init__(self, cfg, checkpoints, engine, record, deadline):
+        self.cfg, self.checkpoints, self.engine, self.record = cfg, checkpoints, engine, record
         self.policy = cfg.checkpoint
         self.save_at_end = cfg.checkpoint.save_at_end
-        self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
+        self.deadline = deadline  # Slurm's job end, train.stop_at or time_limit_minutes (None: none)
         self.last_save_time = time.monotonic()
         # the deadline budgets for the last save this run dir recorded (an earlier attempt's), else estimates
-        self.last_save_s = trainer.checkpoints.previous_save_s()
+        self.last_save_s = checkpoints.previous_save_s()
         self.saved_step: int | None = None  # the step this run saved last
 
     # ---- policy -----------------------------------------------------------------------------------
@@ -48,14 +51,14 @@ class Checkpointing(Callback):
 
     def post_backward(self, state):
         """Rank 0's clock: a time-interval save, or the deadline's save and stop."""
-        trainer = self.trainer
-        if not trainer.layout.is_main:
+        api = self.trainer
+        if not api.layout.is_main:
             return
         minutes = self.policy.interval_minutes
         if minutes and (time.monotonic() - self.last_save_time) / 60 >= minutes:
-            trainer.request_save()
-        if self.deadline is not None and self.deadline.due(trainer.loop.last_step_s, self.last_save_s):
-            trainer.request_stop("deadline")
+            api.request_save()
+        if self.deadline is not None and self.deadline.due(api.last_step_s, self.last_save_s):
+            api.request_stop("deadline")
 
     def post_step(self, state, control):
         interval = self.policy.interval and state.step % self.policy.interval == 0
@@ -65,57 +68,46 @@ class Checkpointing(Callback):
 
     def on_train_end(self, state):
         # the end-of-run save depends on what this run saved, not on what the disk holds
-        first = self.trainer.loop.first_step
+        first = self.trainer.first_step
         if self.save_at_end and state.stop_requested is None and self.saved_step != state.step:
             if state.step > first:
                 self.save(final=True)
         self.finish_pending(wait=True)  # an asynchronous save still in flight is published before exit
 
     # ---- saving -----------------------------------------------------------------------------------
-    def trainer_state(self) -> dict:
-        """What ``trainer_state.json`` holds: the step, the run state, the data contract and the layout."""
-        t = self.trainer
-        return {
-            "step": t.state.step,
-            "init_from": None if t.init_source is None else str(t.init_source),
-            "run_state": t.state.state_dict(),
-            "data_contract": t.contract,
-            **t.layout_record(),
-        }
-
     def save(self, final: bool = False) -> Path:
         """Collective. With ``checkpoint.async`` the state is staged in host memory and written in the
         background (published later by ``finish_pending``); ``final`` (a stop or the end of the run) waits
         until it is published. A pending save is published before the next one starts."""
-        t = self.trainer
+        api, checkpoints = self.trainer, self.checkpoints
         self.finish_pending(wait=True)
-        bad = nonfinite.first_nonfinite_weight(t.engine.module)
+        bad = nonfinite.first_nonfinite_weight(self.engine.module)
         flag = torch.tensor([0 if bad is None else 1])
         collectives.all_reduce(flag)
         if flag.item():
             raise nonfinite.NonFiniteError(
-                f"step {t.state.step}: refusing to save a checkpoint from non-finite weights "
+                f"step {api.step}: refusing to save a checkpoint from non-finite weights "
                 f"({bad or 'on another rank'}); the previous checkpoint stays the latest"
             )
-        record = self.trainer_state()
-        config_text = yaml.safe_dump(t.cfg.to_dict(), sort_keys=False)
-        self.saved_step = t.state.step
+        record = self.record()
+        config_text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+        self.saved_step = api.step
         if self.policy.async_save:
-            path = t.checkpoints.save_async(t.engine, record, config_text)
+            path = checkpoints.save_async(self.engine, record, config_text)
             self.last_save_time = time.monotonic()
             if final:
                 self.finish_pending(wait=True)
             return path
-        path = t.checkpoints.save(t.engine, record, config_text)
+        path = checkpoints.save(self.engine, record, config_text)
         self.last_save_time = time.monotonic()
         self.last_save_s = record["last_save_s"]
-        t.emit("on_checkpoint", {"path": str(path), "save_s": record["last_save_s"]})
+        api.emit("on_checkpoint", {"path": str(path), "save_s": record["last_save_s"]})
         return path
 
     def finish_pending(self, wait: bool) -> None:
         """Collective while an asynchronous save is pending (at every step boundary until it is published):
         publish it once every rank's writes are done, or, with ``wait``, wait for them now."""
-        checkpoints = self.trainer.checkpoints
+        checkpoints = self.checkpoints
         pending = checkpoints.pending
         if pending is None:
             return

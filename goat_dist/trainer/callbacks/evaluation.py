@@ -14,41 +14,41 @@ from .base import Callback
 
 
 class Evaluation(Callback):
+    """Built with the config and this rank's validation batches (``val_batches``, None without
+    ``train.eval_interval``); the model through the callbacks' API."""
+
     order = 20  # after the step's log line, before pictures and checkpoints
 
-    def __init__(self, trainer):
-        self.attach(trainer)
-        self.interval = trainer.cfg.train.eval_interval
+    def __init__(self, cfg, val_batches):
+        self.cfg, self.val_batches = cfg, val_batches
+        self.interval = cfg.train.eval_interval
         self.attention_stats: dict | None = None
 
     def post_step(self, state, control):
-        t = self.trainer
-        last = state.step == t.cfg.train.max_steps
+        last = state.step == self.cfg.train.max_steps
         if self.interval and (state.step % self.interval == 0 or last):
             val_loss = self.evaluate()
             ppl = math.exp(min(val_loss, 700))
-            t.emit("on_eval", {"val_loss": val_loss, "val_ppl": ppl, **(self.attention_stats or {})})
+            metrics = {"val_loss": val_loss, "val_ppl": ppl, **(self.attention_stats or {})}
+            self.trainer.emit("on_eval", metrics)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Collective: the mean validation loss over ``train.eval_batches`` (and ``attention_stats``)."""
         from ...observe.attention_stats import AttentionProbe
 
-        t = self.trainer
-        t.engine.eval()
-        it = iter(t.val_batches)
-        total = torch.zeros((), device=t.layout.device)
-        n = t.cfg.train.eval_batches
-        # the probe re-runs attention over whole rows: not under context parallelism
-        stats = t.cfg.log.attention_stats and t.layout.cp == 1
-        probe = AttentionProbe(t.engine.module) if stats else None
-        for i in range(n):
-            tokens, positions, labels, _ = t.batch(it)
-            with t.autocast(), probe if (probe and i == 0) else contextlib.nullcontext():
-                total += t.engine(tokens, positions, labels).float()
-        # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
-        replicas = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        collectives.all_reduce(total, group=replicas)
-        self.attention_stats = probe.result() if probe else None  # collective over TP
-        t.engine.train()
-        return total.item() / (n * t.layout.replicas)
+        api = self.trainer
+        with api.evaluating():
+            it = iter(self.val_batches)
+            total = torch.zeros((), device=api.layout.device)
+            n = self.cfg.train.eval_batches
+            # the probe re-runs attention over whole rows: not under context parallelism
+            stats = self.cfg.log.attention_stats and api.layout.cp == 1
+            probe = AttentionProbe(api.model) if stats else None
+            for i in range(n):
+                with probe if (probe and i == 0) else contextlib.nullcontext():
+                    total += api.loss(next(it)).float()
+            # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
+            replicas = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            collectives.all_reduce(total, group=replicas)
+            self.attention_stats = probe.result() if probe else None  # collective over TP
+        return total.item() / (n * api.layout.replicas)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ... import collectives
-from ...engine.memory import training_state_bytes
 from .base import Callback
 
 
@@ -18,15 +17,14 @@ class MemoryUse(Callback):
     order = 10
 
     def pre_optim_step(self, state, control):
-        t = self.trainer
-        if not control.dropped and state.step == t.loop.first_step + 1:
-            t.emit("on_memory", measure(t.engine, per_rank=bool(t.cfg.log.memory_per_rank)))
+        api = self.trainer
+        if not control.dropped and state.step == api.first_step + 1:
+            api.emit("on_memory", measure(api.state_bytes(), per_rank=bool(api.cfg.log.memory_per_rank)))
 
 
-def measure(engine, per_rank: bool = False) -> dict:
-    """Collective: every rank's bytes per kind (``training_state_bytes``), gathered on every rank and
-    summarised (``summary``)."""
-    local = training_state_bytes(engine.module, engine.optimizer)
+def measure(local: dict[str, int], per_rank: bool = False) -> dict:
+    """Collective: every rank's bytes per kind (``local``: this rank's, ``Engine.state_bytes``), gathered
+    on every rank and summarised (``summary``)."""
     keys = sorted(local)
     gathered = collectives.all_gather(torch.tensor([local[k] for k in keys]))
     return summary({k: [int(g[i]) for g in gathered] for i, k in enumerate(keys)}, per_rank)

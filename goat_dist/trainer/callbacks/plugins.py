@@ -3,7 +3,9 @@
 Each entry is ``"package.module:Name"`` or ``"package.module:Name:arg1:arg2..."``: the module is imported
 (``importlib``, from ``sys.path``: set ``PYTHONPATH`` for a module outside the installed packages) and
 ``Name(*args)`` is called, the arguments as strings (``"mypkg.hooks:StopAt:500"`` -> ``StopAt("500")``).
-The object gets the trainer's events like the trainer's own callbacks (``callbacks.base``), on every rank.
+The object gets the trainer's events like the trainer's own callbacks (``callbacks.base``), on every rank,
+sees the trainer through ``self.trainer`` (``callbacks.api.TrainerAPI``) and may keep state across a resume
+(``state_dict`` / ``load_state_dict``).
 This runs code the user chose, as a training script would: name only modules you trust.
 """
 

@@ -12,21 +12,20 @@ from .base import Callback
 class PriorPictures(Callback):
     order = 30
 
-    def __init__(self, trainer):
-        self.attach(trainer)
-        self.log = trainer.cfg.log
+    def __init__(self, cfg):
+        self.cfg, self.log = cfg, cfg.log
 
     def post_step(self, state, control):
         from ...observe.prior_snapshot import prior_snapshot
 
-        log, t = self.log, self.trainer
-        last = state.step == t.cfg.train.max_steps
+        log, api = self.log, self.trainer
+        last = state.step == self.cfg.train.max_steps
         if not (log.tensorboard and log.prior_interval and (state.step % log.prior_interval == 0 or last)):
             return
         started = time.perf_counter()
-        snapshot = prior_snapshot(t.engine.module, log.prior_layers, log.prior_heads, state.step)
-        if snapshot is not None and t.layout.is_main:
+        snapshot = prior_snapshot(api.model, log.prior_layers, log.prior_heads, state.step)
+        if snapshot is not None and api.layout.is_main:
             from ...observe.figures import prior_images
 
             images = prior_images(snapshot)
-            t.emit("on_prior", {"images": images, "seconds": time.perf_counter() - started})
+            api.emit("on_prior", {"images": images, "seconds": time.perf_counter() - started})

@@ -16,8 +16,8 @@ from .base import Callback
 class Throughput(Callback):
     order = 10  # first at a step boundary: the log line comes before evaluation and checkpoints
 
-    def __init__(self, trainer):
-        self.attach(trainer)
+    def __init__(self, cfg):
+        self.cfg = cfg
         self.observed = None
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
         self.paused_at: float | None = None  # when this step boundary's other work began
@@ -26,10 +26,10 @@ class Throughput(Callback):
     def on_train_start(self, state, info):
         from ...observe.step_metrics import StepMetrics
 
-        t = self.trainer
+        api = self.trainer
         # weights are replicated (and ZeRO-3-partitioned) over DP x CP: the norm counts each replica once
-        replicas = dataclasses.replace(t.layout, dp=t.layout.replicas, dp_rank=t.layout.replica_rank)
-        self.observed = StepMetrics(t.cfg, t.engine.module, replicas, t.loop.loader.dataset)
+        replicas = dataclasses.replace(api.layout, dp=api.layout.replicas, dp_rank=api.layout.replica_rank)
+        self.observed = StepMetrics(self.cfg, api.model, replicas, api.data.dataset)
         self.window_start, self.window_steps, self.paused_at = time.perf_counter(), 0, None
         self.window_tokens = state.consumed_tokens  # the window's tokens: what the steps consumed
 
@@ -37,13 +37,13 @@ class Throughput(Callback):
         if self.paused_at is not None:  # the last step boundary's evaluation, pictures, saves
             self.window_start += time.perf_counter() - self.paused_at
             self.paused_at = None
-        self.lr = self.trainer.engine.get_lr()[0]  # the rate this step uses
+        self.lr = self.trainer.lr  # the rate this step uses
 
     def post_step(self, state, control):
-        t = self.trainer
+        api = self.trainer
         self.window_steps += 1
-        every = t.cfg.log.interval
-        last = state.step == t.cfg.train.max_steps
+        every = self.cfg.log.interval
+        last = state.step == self.cfg.train.max_steps
         if state.step % every == 0 or last or state.step == 1 or control.dropped:
             seconds = time.perf_counter() - self.window_start
             tokens_per_s = (state.consumed_tokens - self.window_tokens) / seconds  # ramp-up: sizes vary
@@ -55,12 +55,12 @@ class Throughput(Callback):
                 # NaN: a non-finite loss, or no loss at all (no readable label)
                 "loss": float("nan") if control.nonfinite_loss or control.unreadable else control.loss,
                 "lr": self.lr,
-                "grad_norm": float(t.engine.get_global_grad_norm() or 0.0),
+                "grad_norm": api.grad_norm,
                 "tokens_per_s": tokens_per_s,
                 # params norm, MFU, memory, epoch: one all-gather, at log steps only
                 **self.observed.collect(state, seconds / self.window_steps, tokens_per_s),
             }
-            t.emit("on_log", state.metrics)
+            api.emit("on_log", state.metrics)
             self.window_start, self.window_steps = time.perf_counter(), 0
             self.window_tokens = state.consumed_tokens
         self.paused_at = time.perf_counter()
