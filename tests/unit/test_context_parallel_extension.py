@@ -31,6 +31,7 @@ def stage1(world1, builtin_cache, tmp_path_factory):
         f"model.seq_len={STAGE1_LEN}",
         "train.max_steps=6",
         "train.warmup_steps=1",
+        "train.lr=1e-2",  # learns in 6 steps: stage 2's first loss is clearly not a fresh model's
         "log.interval=1",
     )
     Trainer(cfg).fit()
