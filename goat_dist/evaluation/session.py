@@ -7,6 +7,20 @@ import os
 from pathlib import Path
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed on the host back to the system (glibc keeps freed heap pages for reuse): after the
+    weights are read, what a rank holds is its slice of the model, not its slice plus the read's freed
+    buffers, on which the evaluation's own working memory would stack."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
+
+
 class Session:
     """Process groups, the loaded model on its device and the autocast context of one evaluation."""
 
@@ -26,6 +40,7 @@ class Session:
         self.layout = distributed.init(tp=tp)
         self.loaded = build_model(cfg, read)
         self.model = self.loaded.model.to(self.layout.device)
+        release_freed_memory()  # the read's buffers: a rank then holds its slice, not its slice + buffers
         self.device = self.layout.device
         self.autocast = autocast_for(precision, self.device)
         torch.set_grad_enabled(False)

@@ -283,7 +283,7 @@ def test_sharded_eval_and_streamed_export_hold_a_slice_and_a_tensor(world1, buil
     """``goat-dist eval ppl`` on 2 ranks at TP=2 from a TP=2 checkpoint of a 327 MiB (fp32) model: each rank
     reads its own file's values only, straight into its model; its peak host RSS while building and loading
     its model stays <= 0.6 x the model's fp32 size (measured 0.53-0.57: its slice 0.50, the model's
-    construction 0.02-0.05, one tensor 0.02), and through the whole evaluation <= 0.7 x (0.60: a small
+    construction 0.02-0.05, one tensor 0.02), and through the whole evaluation <= 0.7 x (0.595-0.60: a small
     batch's logits; the model is dropped before rank 0 draws the report figure, which took rank 0 to 0.67-0.71
     while it was held). Before, every rank read the whole TP-merged model first: 1.60 x.
     ``ckpt export`` (goat and Hugging Face formats) streams tensor by tensor: peak RSS <= the largest tensor
