@@ -115,10 +115,12 @@ class Trainer:
         self.autocast = autocast_context(cfg, self.layout.device)
         self.sources = data_sources(cfg, self.layout, log=log)
         self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
-        given = callbacks if callbacks is not None else self._default_loggers()
         self.contract = data_contract.data_contract(cfg, self.sources)
         self.saved_callbacks: dict = {}  # the callbacks' states in the checkpoint resumed from
         self.resumed_from = self._resume()
+        # after the resume, which may keep the stream's recorded window order: config.yaml is the config
+        # this run runs with, resolved (precision, train_len, GOAT's lanes, the window order)
+        given = callbacks if callbacks is not None else self._default_loggers()
         self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
         self.loop = LoopState(first_step=self.state.step)
         self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes

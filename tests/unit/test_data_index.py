@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import yaml
 from harness.batches import batches, same  # the loader tests' helpers
 
 from data_tools.inspection import inspect_dataset
@@ -378,6 +379,8 @@ def test_a_checkpoint_from_before_window_order_resumes_in_its_own_order(
         capsys.readouterr()
         again = Trainer(in_process_config(builtin_cache, run_dir, "train.max_steps=4"))
         assert again.cfg.data.window_order == again.contract["window_order"] == kept
+        written = yaml.safe_load((run_dir / "config.yaml").read_text())  # the run dir's config: resolved
+        assert written["data"]["window_order"] == kept and written == again.cfg.to_dict()
         messages.append((kept, capsys.readouterr().out))
         it = again.start_loop()
         assert again.loop.loader.dataset.schedules[0].window_order == kept
