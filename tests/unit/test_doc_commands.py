@@ -210,6 +210,18 @@ def test_runnable_command_runs(doc, command, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as stop:
             main(words[1:])
         assert stop.value.code == 0 and "usage: goat-dist" in capsys.readouterr().out
+    elif how == "cli-slow":  # --materialize builds a model in a world of its own: a process of its own,
+        # whatever torch.distributed state earlier tests left in this one
+        proc = subprocess.run(
+            [sys.executable, "-m", "goat_dist", *goat_argv(words)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0 and proc.stdout.strip(), (
+            f"{doc}: `{command}` failed: {proc.stderr[-3000:]}"
+        )
     elif how.startswith("cli"):
         from goat_dist.cli import main
 
