@@ -54,7 +54,8 @@ def test_goat_vs_alibi_study_decides_by_sequential_seeds():
     extrapolation = load_study(STUDY / "extrapolation.yaml")
     assert study["runs"] == {n: extrapolation["runs"][n] for n in ("goat", "alibi")}
     assert study["train_config"] == extrapolation["train_config"] and study["eval"] == extrapolation["eval"]
-    assert study["overrides"] == extrapolation["overrides"]  # its seeds 1-3 train as the extrapolation's
+    # the extrapolation study's runs with the prior decayed as the authors' C4 script decays it
+    assert study["overrides"] == [*extrapolation["overrides"], "train.prior_weight_decay=c4"]
     rule = study["sequential"]
     assert rule["min"] == 3 and rule["max"] >= 10 and rule["looks"] == list(range(3, rule["max"] + 1))
     assert study["seeds"] == list(range(1, rule["max"] + 1)) and rule["stop_when"] == "resolved"
