@@ -309,14 +309,16 @@ def test_a_remote_shard_is_downloaded_once_per_host(big, tmp_path, monkeypatch):
     entry = read_manifest(big)["splits"]["train"][0]
     url = f"pipe:cat {big}/{entry['name']}"
     opened = []
-    real_open = shard_index.open_shard
+    from goat_dist.data import remote_cache
+
+    real_open = remote_cache.open_shard
 
     def slow_open(location):
         opened.append(location)
         time.sleep(0.3)  # the others arrive while this download holds the lock
         return real_open(location)
 
-    monkeypatch.setattr(shard_index, "open_shard", slow_open)
+    monkeypatch.setattr(remote_cache, "open_shard", slow_open)
     results = []
     threads = [
         threading.Thread(target=lambda: results.append(shard_index.stage_remote(url, entry, tmp_path)))

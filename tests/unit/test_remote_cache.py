@@ -20,6 +20,7 @@ from harness.batches import batches, same
 from data_tools.shard_format import read_manifest, write_manifest
 from data_tools.writer import ShardWriter
 from goat_dist.config import ConfigError
+from goat_dist.data import remote_cache as remote_cache_module
 from goat_dist.data import shard_index
 from goat_dist.data.loader import build_train_loader
 from goat_dist.data.reader import shard_sequence
@@ -186,7 +187,7 @@ def test_a_pinned_shard_is_never_evicted(data, tmp_path, monkeypatch):
     # every staged shard pinned: a prefetcher gives up at once, a reader waits, then names the budget
     other = cache.acquire(url_of(data, entries[3]), entries[3])
     assert cache.acquire(url_of(data, entries[4]), entries[4], soft=True) is None
-    monkeypatch.setattr(shard_index, "SPACE_WAIT_S", 0.3)
+    monkeypatch.setattr(remote_cache_module, "SPACE_WAIT_S", 0.3)
     with pytest.raises(ConfigError, match=r"held open by readers.*data\.cache_max_gb="):
         cache.acquire(url_of(data, entries[4]), entries[4])
     held.release()
