@@ -7,6 +7,20 @@ import os
 from pathlib import Path
 
 
+def free_large_buffers_at_once(threshold: int = 256 << 10) -> None:
+    """Serve host buffers of ``threshold`` bytes and more from their own mappings, unmapped when freed.
+    glibc raises its mmap threshold each time a large mapped buffer is freed (up to 32 MiB), so after the
+    weights are read every activation buffer of a batch comes from the heap and stays there when freed:
+    18 MiB per rank for one batch of a 12-layer, 768-wide model on 2 ranks, 0.06 x a 327 MiB model, on
+    top of its slice. A fixed threshold turns that off (``mallopt(M_MMAP_THRESHOLD)``)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its allocator has its own policy
+        pass
+
+
 def release_freed_memory() -> None:
     """Hand memory freed on the host back to the system (glibc keeps freed heap pages for reuse): after the
     weights are read, what a rank holds is its slice of the model, not its slice plus the read's freed
@@ -31,6 +45,7 @@ class Session:
         from ..precision import autocast_for
         from .checkpoint import build_model, read_checkpoint
 
+        free_large_buffers_at_once()
         cfg, read = read_checkpoint(checkpoint, backend)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         tp = tp or world

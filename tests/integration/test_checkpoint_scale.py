@@ -283,9 +283,10 @@ def test_sharded_eval_and_streamed_export_hold_a_slice_and_a_tensor(world1, buil
     """``goat-dist eval ppl`` on 2 ranks at TP=2 from a TP=2 checkpoint of a 327 MiB (fp32) model: each rank
     reads its own file's values only, straight into its model; its peak host RSS while building and loading
     its model stays <= 0.6 x the model's fp32 size (measured 0.53-0.57: its slice 0.50, the model's
-    construction 0.02-0.05, one tensor 0.02), and through the whole evaluation <= 0.7 x (0.595-0.60: a small
-    batch's logits; the model is dropped before rank 0 draws the report figure, which took rank 0 to 0.67-0.71
-    while it was held). Before, every rank read the whole TP-merged model first: 1.60 x.
+    construction 0.02-0.05, one tensor 0.02), and so does the whole evaluation (0.582-0.585: the first
+    forward's library code pages, 0.02, and a batch's activations; 0.60-0.62 while glibc kept the freed
+    activation buffers of a batch in its heap, ``session.free_large_buffers_at_once``; 0.67-0.71 while rank 0
+    drew the report figure holding its weights). Before, every rank read the whole TP-merged model: 1.60 x.
     ``ckpt export`` (goat and Hugging Face formats) streams tensor by tensor: peak RSS <= the largest tensor
     + 256 MiB (measured 21-23 MiB, the largest tensor being 12 MiB; before, 341 and 406 MiB)."""
     from data_tools.builtin import builtin_dataset_dir
@@ -305,7 +306,7 @@ def test_sharded_eval_and_streamed_export_hold_a_slice_and_a_tensor(world1, buil
     for r in ranks:
         assert r["params"] * 4 < 0.55 * model_bytes  # its slice (the command exited 0: run_cmd checks)
         assert r["load_extra_bytes"] <= 0.6 * model_bytes, r
-        assert r["extra_bytes"] <= 0.7 * model_bytes, r
+        assert r["extra_bytes"] <= 0.6 * model_bytes, r
     assert (tmp_path / "ppl").is_dir()
     for fmt in ("goat", "hf"):
         out = tmp_path / f"export-{fmt}"
