@@ -6,7 +6,7 @@ q/k/v and output projections (head dim 64, scale 1/8). Each runs once in float64
 dtype, on the same input, causal from position ``offset``; the figures are the max (and mean) |output
 difference|. The GOAT run goes through its lanes (the ``sdpa`` backend: torch's kernel takes bf16/fp16
 inputs and accumulates in fp32, as flash-attn does; ``--backend flash`` runs the CPU stand-in of
-flash-attn from tests/flash_standin.py instead). ``ratio`` is GOAT's max error over plain attention's.
+flash-attn from tests/harness/flash_standin.py instead). ``ratio`` is GOAT's max error over plain attention's.
 
     python bench/bf16_error.py [--lengths 256 1024 4096 16384] [--offsets 0 1000000] [--dtypes bf16 fp16]
 
@@ -79,7 +79,7 @@ def run(args, stack: contextlib.ExitStack) -> None:
     plain = PlainAttention(ref)
     if args.backend == "flash":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from flash_standin import FlashStandin, installed
+        from harness.flash_standin import FlashStandin, installed
 
         stack.enter_context(installed(FlashStandin()))  # for the whole run
 

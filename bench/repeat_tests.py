@@ -3,7 +3,7 @@
 Why: a test whose premise depends on the machine's speed passes on a quiet machine and fails on a busy
 one (or the other way round). Repeating it idle and loaded is how such a premise shows.
 
-    python bench/repeat_tests.py tests/integration/test_slurm.py --runs 5 --loaded 2
+    python bench/repeat_tests.py tests/integration/slurm/test_slurm.py --runs 5 --loaded 2
 
 The first ``--loaded`` runs have one busy-loop process per core (started before, ended after each run);
 the rest run on the machine as it is. Prints one line per run and a summary; exit 1 if any run failed.

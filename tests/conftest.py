@@ -29,9 +29,9 @@ def builtin_cache(tmp_path_factory):
 
 @pytest.fixture
 def fa4():
-    """The FlashAttention-4 stand-in (tests/flash4_standin.py), fp32 allowed (exact comparisons), playing an
-    H100/H200 (9.0), installed as ``flash_attn.cute`` for one test."""
-    from flash4_standin import Flash4Standin, installed
+    """The FlashAttention-4 stand-in (tests/harness/flash4_standin.py), fp32 allowed (exact comparisons),
+    playing an H100/H200 (9.0), installed as ``flash_attn.cute`` for one test."""
+    from harness.flash4_standin import Flash4Standin, installed
 
     with installed(Flash4Standin(allow_fp32=True, arch=90)) as standin:
         yield standin

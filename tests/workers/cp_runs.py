@@ -6,7 +6,7 @@ Jobs, run in order (megatron's groups are rebuilt when a job needs another TP/CP
 
 * ``grads:<tp>:<cp>``: one forward/backward of tests/workers/tp_grads.py's tiny GOAT model under TP x CP
   with SP, for plain rows and for rows of packed documents, with the sdpa CP path and with the flash CP
-  path (tests/flash_standin.py, fp32); rank 0 saves the TP=1-shaped gradients and losses to
+  path (tests/harness/flash_standin.py, fp32); rank 0 saves the TP=1-shaped gradients and losses to
   ``<out_dir>/grads.pt``;
 * ``train:<name>:<override>,<override>...``: ``goat-dist train`` (the Trainer) on multiproc.TINY with
   these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``.
@@ -49,7 +49,7 @@ def document_batch(cfg):
 
 
 def grads(out: Path, tp: int, cp: int) -> None:
-    from flash_standin import FlashStandin, installed
+    from harness.flash_standin import FlashStandin, installed
     from tp_grads import full_gradient, tiny_batch, tiny_config
 
     from goat_dist.model import GPT
@@ -89,7 +89,7 @@ def grads(out: Path, tp: int, cp: int) -> None:
 
 
 def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
-    from multiproc import TINY
+    from harness.multiproc import TINY
 
     from goat_dist.config import load_config
     from goat_dist.trainer import Trainer

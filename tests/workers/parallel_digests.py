@@ -1,6 +1,6 @@
-"""Worker of tests/integration/test_checkpoint_scale.py (2 ranks over gloo, no model): the manifest's
-digests and the resume check are computed in parallel shares, and a problem found on any rank is raised on
-every rank.
+"""Worker of tests/integration/checkpoint/test_checkpoint_scale.py (2 ranks over gloo, no model): the
+manifest's digests and the resume check are computed in parallel shares, and a problem found on any rank is
+raised on every rank.
 
     torchrun --nproc_per_node=2 tests/workers/parallel_digests.py <step_dir> <out_dir>
 """

@@ -1,4 +1,4 @@
-"""torchrun worker (2 processes) for tests/integration/test_plan_validation.py: what real DeepSpeed
+"""torchrun worker (2 processes) for tests/integration/plan/test_plan_validation.py: what real DeepSpeed
 engines hold.
 
     plan_memory.py '{"dp": {name: [override, ...]}, "cp": {name: [...]}}'

@@ -1,8 +1,7 @@
 """Worker (one process or under torchrun): resume like ``goat-dist train`` does (the Trainer's own resume
 path), write the universal state exactly as loaded to ``<dump>/universal/``, then train on as usual
-(metrics.jsonl in run.dir). tests/integration/test_checkpoint.py compares the dump with the checkpoint it
-resumed
-from: fp32 masters and Adam moments must come back unchanged in the new layout.
+(metrics.jsonl in run.dir). tests/integration/checkpoint/test_checkpoint.py compares the dump with the
+checkpoint it resumed from: fp32 masters and Adam moments must come back unchanged in the new layout.
 
     python resume_dump.py <dump_dir> <goat-dist train overrides...>
 """

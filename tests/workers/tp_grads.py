@@ -1,6 +1,6 @@
 """torchrun worker: one forward/backward of a tiny GPT under the given TP/SP; rank 0 saves the
 gathered (full, TP=1-shaped) gradients and the count of TP-sum all-reduces. Used by
-tests/integration/test_scale_out.py."""
+tests/integration/parallel/test_scale_out.py."""
 
 import sys
 import warnings

@@ -13,7 +13,7 @@ Adam's state exists). Then:
   the growth of file-backed RSS (``file_bytes_from_tp<N>``).
 
 Rank 0 writes every per-rank list and ``state_bytes`` (fp32 weights + both Adam moments of the whole model)
-to the output JSON. Used by tests/integration/test_checkpoint.py.
+to the output JSON. Used by tests/integration/checkpoint/test_checkpoint.py.
 
     torchrun --nproc_per_node=4 universal_rss.py <out.json> <workdir> <zero_stage> <precision> [<tp>]
 """

@@ -1,0 +1,60 @@
+"""Process groups that scale: at 512 ranks a CUDA run holds one gloo mesh (the world's host side) and
+NCCL everywhere else, and sets NCCL's error handling and flight recorder. No GPU here: the world is
+torch's fake process group on a simulated CUDA machine (tests/workers/fake_world.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+from harness.multiproc import ROOT, clean_env
+
+from goat_dist import distributed
+
+
+@pytest.fixture(scope="module")
+def world512(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run512")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "fake_world.py"), "512", "8", str(run_dir)],
+        env=clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("FAKE_WORLD ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[0].split(" ", 1)[1]), run_dir
+
+
+def test_512_ranks_hold_at_most_one_gloo_group(world512):
+    """megatron's layout at TP=8 x DP=64 is ~3,000 groups; under "cpu:gloo,cuda:nccl" for all of them
+    (and megatron's own gloo groups) every one was a gloo mesh: thousands of sockets per process."""
+    info, _ = world512
+    assert (info["world"], info["tp"], info["dp"]) == (512, 8, 64)
+    backends = info["backends"]
+    assert len(backends) > 1000  # the groups megatron creates were all seen
+    gloo = [b for b in backends if "gloo" in b]
+    assert len(gloo) <= 2, f"{len(gloo)} of {len(backends)} groups have a gloo side"
+    assert backends[0] == "cpu:gloo,cuda:nccl"  # the world: host-side values (rare) and NCCL
+    assert set(backends[1:]) == {"nccl"}
+
+
+def test_cuda_run_sets_nccl_error_handling_and_flight_recorder(world512):
+    info, run_dir = world512
+    env = info["env"]
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] in ("1", "3")  # a timed-out collective ends the process
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(run_dir / distributed.NCCL_TRACE_PREFIX)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # TP=8: megatron's TP overlap
+
+
+def test_cpu_keeps_gloo_for_every_group(world1):
+    assert distributed.backend_for(False) == "gloo"
+    assert distributed._original_new_group is None  # new_group is torch's own on CPU
+    assert dist.get_backend() == "gloo"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in distributed.cuda_environment(1, None)

@@ -1,0 +1,69 @@
+"""The planner under ``parallel.grad_reduce_dtype``: gradients cross the data-parallel group in the
+chosen width (time), and ZeRO-2/3 hold an fp32 accumulated partition where the engine keeps one (memory).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from goat_dist.config import load_config
+from goat_dist.plan.hardware import gpu
+from goat_dist.plan.memory import state_bytes, total_params
+from goat_dist.plan.planner import layout_of, throughput
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = ROOT / "configs/models/goat_1.3b.yaml"  # bf16, micro 8, global 512
+
+
+def times(stage: int, key: str, precision: str = "bf16") -> dict:
+    """Throughput of the 1.3B model on 4 nodes x 8 H100 (DP 32 over the network)."""
+    over = [
+        f"parallel.zero_stage={stage}",
+        f"parallel.grad_reduce_dtype={key}",
+        f"train.precision={precision}",
+    ]
+    cfg = load_config(MODEL, over)
+    return throughput(cfg, layout_of(cfg, 32), gpu("h100-80gb"), 8)
+
+
+def test_dp_time_doubles_from_bf16_to_fp32_reduction_all_else_fixed():
+    """ZeRO-0 moves only gradients: twice the bytes, twice the time. ZeRO-1 also all-gathers the updated
+    bf16 weights, which do not change: 4 + 2 bytes per element against 2 + 2. ZeRO-2's per-micro-batch
+    reduce-scatter hides behind the backward as far as it lasts, so its time never shrinks."""
+    fp32, bf16 = times(0, "fp32"), times(0, "bf16")
+    assert fp32["dp_comm_s"] == pytest.approx(2 * bf16["dp_comm_s"], rel=1e-12) and bf16["dp_comm_s"] > 0
+    for key in ("compute_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "optimizer_s"):
+        assert fp32[key] == bf16[key], key
+    assert times(1, "fp32")["dp_comm_s"] == pytest.approx(1.5 * times(1, "bf16")["dp_comm_s"])
+    # ZeRO-2 reduce-scatters every micro-batch behind its backward (here wholly hidden): never less
+    assert times(2, "fp32")["dp_comm_s"] >= times(2, "bf16")["dp_comm_s"] > 0
+    assert times(0, "fp32", "fp32")["dp_comm_s"] == times(0, "bf16", "fp32")["dp_comm_s"]  # fp32 runs: fp32
+    assert times(0, "fp32", "fp32")["dp_comm_s"] == fp32["dp_comm_s"]
+
+
+def state(stage: int, key: str, global_batch: int = 512) -> dict:
+    over = [f"parallel.zero_stage={stage}", f"parallel.grad_reduce_dtype={key}",
+            f"train.global_batch_size={global_batch}"]  # fmt: skip
+    return state_bytes(load_config(MODEL, over), 8)
+
+
+def test_fp32_accumulation_holds_an_fp32_partition_at_zero2_and_zero3():
+    """DP 8, accumulating (512 = micro 8 x DP 8 x 8): ZeRO-2's gradients are one fp32 flat partition
+    (4 Psi / N) with no second copy, but the whole bf16 gradients of the large parameters touching it stay
+    until the backward ends; ZeRO-3's flat partition doubles and its reduce bucket is fp32. Without
+    accumulation (global 64) ZeRO-2 keeps bf16 gradients; ZeRO-0/1 keep bf16 accumulation (DeepSpeed
+    refuses or swaps the optimizer), so their state does not change."""
+    n = total_params(load_config(MODEL).model)
+    h2 = 2048**2
+    fp32, bf16 = state(2, "fp32"), state(2, "bf16")
+    assert fp32["grads"] == pytest.approx(4 * n / 8, rel=1e-3)
+    assert fp32["buffers"] < bf16["buffers"]  # no copy of the partition beside the sum
+    assert 0 < fp32["total"] - bf16["total"] < 2 * n / 8  # +0.22 GiB: less than a bf16 partition
+    assert state(2, "fp32", global_batch=64) == state(2, "bf16", global_batch=64)
+    z3, z3_bf16 = state(3, "fp32"), state(3, "bf16")
+    assert z3["grads"] == 2 * z3_bf16["grads"]
+    assert z3["buffers"] - z3_bf16["buffers"] == 2 * h2  # the bucket: 4 bytes per element, not 2
+    for stage in (0, 1):
+        assert state(stage, "fp32") == state(stage, "bf16"), stage

@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+
+from goat_dist.config import Config, ConfigError, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_tiny_yaml_is_the_builtin_default():
+    assert load_config(ROOT / "configs" / "tiny.yaml") == Config()
+
+
+def test_dotted_overrides_and_types():
+    cfg = load_config(
+        None,
+        [
+            "train.max_steps=50",
+            "train.lr=1e-3",
+            "model.goat.pos_rank=2",
+            "model.num_kv_heads=null",
+            "run.dir=runs/demo",
+            "log.tensorboard=false",
+        ],
+    )
+    assert cfg.train.max_steps == 50 and cfg.train.lr == 1e-3 and cfg.model.goat.pos_rank == 2
+    assert (
+        cfg.model.num_kv_heads is None and cfg.run_dir == Path("runs/demo") and cfg.log.tensorboard is False
+    )
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.max_stepz=5", "train.max_stepz"),
+        ("model.goat.rank=2", "model.goat.rank"),
+        ("train.max_steps=abc", "train.max_steps"),
+        ("train.max_steps=1.5", "train.max_steps"),
+        ("log.tensorboard=3", "log.tensorboard"),
+        ("model.position=sinusoid", "model.position"),
+        ("model.goat=3", "model.goat"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  warmup: 3\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*train.warmup"):
+        load_config(bad)
+
+
+def test_impossible_model_shapes_rejected():
+    with pytest.raises(ConfigError, match="content lanes"):
+        load_config(None, ["model.hidden_size=64", "model.num_heads=8", "model.goat.pos_rank=4"])
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        load_config(None, ["model.num_kv_heads=3"])
+
+
+def test_parse_override_nesting():
+    assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
+
+
+def test_a_bare_yaml_timestamp_is_a_string_key():
+    """YAML turns `train.stop_at=2027-01-15T08:00:00Z` into a datetime; the str key takes it as ISO text."""
+    from goat_dist.trainer.deadline import parse_time
+
+    cfg = load_config(None, ["train.stop_at=2027-01-15T08:00:00Z"])
+    assert isinstance(cfg.train.stop_at, str)
+    assert parse_time(cfg.train.stop_at) == parse_time("2027-01-15T08:00:00+00:00")
