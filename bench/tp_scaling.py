@@ -82,7 +82,7 @@ def worker(args) -> None:
     )
     layout = distributed.init(tp=args.tp)
     torch.manual_seed(0)
-    engine = parallelize(GPT(cfg.model, sequence_parallel=args.sp), cfg, grad_accum=1)
+    engine = parallelize(GPT(cfg.model, layout, sequence_parallel=args.sp), cfg, grad_accum=1)
     tokens = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1))
     positions = torch.arange(args.seq).expand(args.batch, -1)
 

@@ -9,7 +9,7 @@ tensor on a device the group does not serve is copied to the accelerator for the
 copied back into the caller's tensor, so callers keep host values where they want host values. A tensor
 already on a served device is passed through untouched (activations and gradients: no copy, no sync).
 
-``tests/unit/test_collectives_home.py`` walks the package's source and fails on a direct
+``tests/unit/core/test_collectives_home.py`` walks the package's source and fails on a direct
 ``torch.distributed`` collective anywhere else (``goat_dist/engine/`` excepted: DeepSpeed's own tensors).
 """
 

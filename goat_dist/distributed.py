@@ -3,6 +3,10 @@
 One process (``goat-dist train``) and many (``torchrun -m goat_dist train``) take the same path: without
 torchrun's environment a world of size 1 is created, so the model is always built from megatron-core's
 tensor-parallel layers.
+
+``init`` returns a ``Layout``: the sizes, this rank's place and its process groups (TP, DP, CP and the
+DP x CP replicas). Everything that needs a group is handed the layout (or the group), so this module is
+the one place besides ``goat_dist.parallel`` that reads megatron's ``parallel_state`` (a test holds it).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import math
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,11 @@ class Layout:
     cp: int = 1  # context parallel: the ranks that split one sequence
     cp_rank: int = 0
     replica_rank: int = 0  # rank among the dp x cp model replicas (ZeRO's partition index)
+    # the process groups (torch ProcessGroups; None in a layout written by hand, e.g. a test's fake one)
+    tp_group: Any = field(default=None, repr=False, compare=False)
+    dp_group: Any = field(default=None, repr=False, compare=False)  # DP only: the loader's split
+    cp_group: Any = field(default=None, repr=False, compare=False)
+    replica_group: Any = field(default=None, repr=False, compare=False)  # DP x CP: ZeRO, grad averages
 
     @property
     def replicas(self) -> int:
@@ -231,6 +241,21 @@ def init(
             distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)),
             create_gloo_process_groups=False,
         )
+    return current_layout()
+
+
+def current_layout() -> Layout:
+    """The layout of the process groups ``init`` (or ``init_fake``) set up: sizes, ranks and groups, read
+    from torch.distributed and megatron's parallel_state. For code handed no layout (a model built in a
+    test); the run's own code passes the one ``init`` returned."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("no parallel layout: goat_dist.distributed.init() has not run in this process")
+    cuda = torch.cuda.is_available() and dist.get_backend() != "fake"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     return Layout(
         world=dist.get_world_size(),
         rank=dist.get_rank(),
@@ -239,11 +264,35 @@ def init(
         dp=dist.get_world_size() // (tp * cp),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),  # without CP: the loader's split
-        device=device,
+        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
         cp=cp,
         cp_rank=parallel_state.get_context_parallel_rank(),
         replica_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        cp_group=parallel_state.get_context_parallel_group(),
+        replica_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
+
+
+def init_fake(rank: int, world: int, tp: int) -> Layout:
+    """Rank ``rank`` of a fake world of ``world`` processes (torch's "fake" backend: collectives do
+    nothing), for building one rank's model shapes on the meta device (the planner's dry run). Undone by
+    ``teardown_fake``."""
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # megatron's extra gloo groups cannot be created on a fake world (and are not needed to build)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    return current_layout()
+
+
+def teardown_fake() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 # what a collective says when a peer stopped answering (gloo's timeout and reset texts, NCCL's watchdog)

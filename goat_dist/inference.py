@@ -79,9 +79,8 @@ def load_exported(path: str | Path, dtype: torch.dtype = torch.float32):
         raise ExportDirError(
             f"--model {path}: {path / 'config.json'} is not a goat-dist model config ({e}); {EXPORT_HINT}"
         ) from None
-    if not torch.distributed.is_initialized():
-        distributed.init(tp=1)
-    model = GPT(cfg)
+    layout = distributed.current_layout() if torch.distributed.is_initialized() else distributed.init(tp=1)
+    model = GPT(cfg, layout)
     state = load_file(str(path / "model.safetensors"))
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
     missing = set(dict(model.named_parameters())) - set(state)

@@ -4,7 +4,8 @@ Padded vocabulary, FFN width, GOAT's prior lanes and the q/k content width they 
 (and which of its rows a full-width draw keeps, ``qkv_row_spans``), and every parameter's name and TP-local
 shape (``param_inventory``) in ``model.GPT``'s own ``named_parameters`` order. The model builds its layers
 from these numbers, and the planner, the doctor, the FLOP count and the HF export size their figures with
-them, so none of those needs megatron or torch to know how large the model is (``tests/unit/test_shapes.py``
+them, so none of those needs megatron or torch to know how large the model is
+(``tests/unit/core/test_shapes.py``
 checks them against a built model).
 
 The standard library only (``goat_dist.config``'s types for annotations): importable where no torch is,

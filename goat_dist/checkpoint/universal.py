@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from .. import collectives
 from ..atomic import atomic_write_text
@@ -108,12 +107,11 @@ def file_name(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-def _replica() -> tuple[int, int]:
-    """(index, count) of this rank among the ranks holding the same TP slice (data x context parallel)."""
-    return (
-        parallel_state.get_data_parallel_rank(with_context_parallel=True),
-        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-    )
+def _replica(model) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks holding the same TP slice (data x context parallel),
+    from the model's ``layout``."""
+    layout = model.layout
+    return layout.replica_rank, layout.replicas
 
 
 def _share(start: int, numel: int, index: int, count: int) -> tuple[int, int]:
@@ -124,10 +122,11 @@ def _share(start: int, numel: int, index: int, count: int) -> tuple[int, int]:
 
 def own_pieces(engine, model) -> tuple[list[tuple[str, int, int, dict]], dict, object]:
     """What this rank writes: ``[(name, start, numel, {key: 1-D live tensor})]``, the parameters' meta
-    (split and TP-local shape) and the master layout. Nothing is copied or communicated."""
+    (split and TP-local shape) and the master layout; the replicas' shares by the model's ``layout``.
+    Nothing is copied or communicated."""
     masters = layout_of(engine)
     masters.prepare()
-    index, count = _replica() if masters.replicated else (0, 1)
+    index, count = _replica(model) if masters.replicated else (0, 1)
     pieces, params = [], {}
     for name, p in model.named_parameters():
         shape = full_shape(p)  # ZeRO-3: the shape before partitioning
@@ -232,25 +231,25 @@ def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32) -> dict
 
 
 def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
-    """Collective: every rank writes its own share to ``universal/rank<R>.safetensors``; rank 0 writes
-    ``index.json`` and ``meta.json``. Returns ``{relative name: {bytes, sha256, header_sha256}}`` of the
-    file this rank wrote (hashed as written). An asynchronous save passes ``to_host`` (a host copy in
-    staging buffers, made now) and ``submit(path, write)`` (queue the write on the background thread, which
-    records the digest)."""
+    """Collective: every rank writes its own share to ``universal/rank<R>.safetensors`` (its TP rank and
+    replica index from the model's ``layout``); rank 0 writes ``index.json`` and ``meta.json``. Returns
+    ``{relative name: {bytes, sha256, header_sha256}}`` of the file this rank wrote (hashed as written). An
+    asynchronous save passes ``to_host`` (a host copy in staging buffers, made now) and
+    ``submit(path, write)`` (queue the write on the background thread, which records the digest)."""
     rank = dist.get_rank()
     out = Path(step_dir) / "universal"
     out.mkdir(parents=True, exist_ok=True)
     pieces, params, masters = own_pieces(engine, model)
+    layout = model.layout
     mine = {
         "file": file_name(rank),
-        "tp": parallel_state.get_tensor_model_parallel_rank(),
-        "replica": _replica()[0],
+        "tp": layout.tp_rank,
+        "replica": _replica(model)[0],
         "pieces": [(name, start, numel) for name, start, numel, _ in pieces],
     }
     gathered = collectives.gather_object(mine, dst=0)
     if rank == 0:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        write_index(out, params, gathered, tp, counters(engine, masters, step))
+        write_index(out, params, gathered, layout.tp, counters(engine, masters, step))
     path = out / file_name(rank)
     if submit is None:  # synchronous: one tensor on the host at a time
         return {f"universal/{path.name}": write_share(path, pieces, rank, step, to_host)}
@@ -272,23 +271,20 @@ def load(
     manifest: dict | None = None,
 ) -> None:
     """Collective: set every rank's fp32 masters, Adam moments and forward weights from a checkpoint of any
-    layout, reading only the ranges this rank holds, each file it needs opened once and checked as read
-    against ``manifest`` (the checkpoint's, read by the caller; ``slices.py``). A problem on any rank
-    (a corrupt file, another model) is raised on every rank before any rank goes on to a collective.
+    layout, reading only the ranges this rank holds (of its TP slice, by the model's ``layout``), each file
+    it needs opened once and checked as read against ``manifest`` (the checkpoint's, read by the caller;
+    ``slices.py``). A problem on any rank (a corrupt file, another model) is raised on every rank before
+    any rank goes on to a collective.
 
     A new run from another run's weights (``train.init_from``) reads ``keys`` ("" alone: weights only,
     Adam starts empty), sets Adam's step counter to ``adam_step`` and keeps its own LR schedule
     (``schedule=False``)."""
     masters = layout_of(engine)
     masters.prepare()
+    layout = model.layout
     reader, problem, mismatched = None, "", []
     try:
-        reader = UniversalReader(
-            step_dir,
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            manifest,
-        )
+        reader = UniversalReader(step_dir, layout.tp, layout.tp_rank, manifest)
         mismatched = mismatches(reader, model)
     except CheckpointError as e:
         problem = str(e)

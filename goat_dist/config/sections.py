@@ -33,8 +33,31 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it."""
 
 
+class Section:
+    """A configuration section that ``freeze`` can make read-only: a run resolves its config once (its
+    precision, GOAT's L_train and lanes, the kept window order; ``trainer/resolve.py``), writes it as its
+    config.yaml, and from then on every part of the run reads that same config."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise ConfigError(
+                f"{type(self).__name__}.{name}: the run's config was resolved and saved as its config.yaml; "
+                "it does not change afterwards"
+            )
+        object.__setattr__(self, name, value)
+
+
+def freeze(section: Section) -> None:
+    """Make ``section`` and the sections inside it read-only (``Section``)."""
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(section, "_frozen", True)
+
+
 @dataclass
-class GoatConfig:
+class GoatConfig(Section):
     pos_rank: int = 4  # R: relative Fourier frequencies (2R lanes of each q/k head)
     abs_rank: int = 4  # M: absolute Fourier features of the sink MLP
     pos_base: float = 10_000.0  # base of the relative frequencies: w_r = pos_base^(-r / (R - 1))
@@ -54,7 +77,7 @@ class GoatConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     # the tokenizer's; padded internally for TP (padding gets no probability). Left out, null or auto in a
     # config: the data set manifest's (load_config), DEFAULT_VOCAB_SIZE when there is no manifest
     vocab_size: int = DEFAULT_VOCAB_SIZE
@@ -81,7 +104,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     tp: int = 1  # tensor-parallel size; data parallel = world / (tp x cp)
     sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
@@ -95,7 +118,7 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     max_steps: int = 300  # optimizer steps (train.max_tokens, when set, decides instead)
     micro_batch_size: int = 8  # sequences per rank per forward pass
     global_batch_size: int = 8  # sequences per optimizer step, fixed when DP changes
@@ -143,7 +166,7 @@ class TrainConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     source: str = (
         "builtin"  # builtin (the Python stdlib's docs and source) | a `goat-dist data` shard dir/URL
     )
@@ -171,7 +194,7 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     interval: int = 0  # steps between checkpoints; 0: only at the end and on preemption signals
     interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0: off
     keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
@@ -195,7 +218,7 @@ setattr(
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Section):
     interval: int = 10  # steps between progress lines / metrics.jsonl records
     tensorboard: bool = True  # TensorBoard events in <run_dir>/tensorboard/ (rank 0)
     prior_interval: int = 500  # steps between GOAT prior pictures in TensorBoard; 0 disables
@@ -207,13 +230,13 @@ class LogConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     name: str = "goat-tiny"  # the run's name: run.dir defaults to runs/<name>
     dir: str | None = None  # default: runs/<name> under the working directory
 
 
 @dataclass
-class Config:
+class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -228,6 +251,11 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def frozen(self) -> Config:
+        """This config, read-only from now on (every section: ``Section``); returns it."""
+        freeze(self)
+        return self
 
 
 # ---- validation ------------------------------------------------------------------------------------

@@ -88,19 +88,18 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
-def keep_window_order(saved: dict | None, cfg: Config, contract: dict) -> str | None:
-    """A resumed stream continues in the order it began with, whatever the default is now: the order its
-    contract records ("keyed" for streams begun before "epoch" became the default), or "numpy" when the
-    contract names none (streams begun before ``data.window_order`` existed, or before contracts did).
+def kept_window_order(saved: dict | None, cfg: Config) -> str | None:
+    """The order a resumed stream continues in when that is not the configured one, else None: the order
+    its contract records ("keyed" for streams begun before "epoch" became the default), or "numpy" when
+    the contract names none (streams begun before ``data.window_order`` existed, or before contracts did).
 
     Why: the default changed under running jobs; a resume must stay exact without the user knowing the
     setting, and must not be refused as a data change. A config that asks for another order than the
-    default is taken at its word (``check`` then names the change). Updates ``cfg`` and ``contract``;
-    returns the order kept when it differs from the configured one, else None."""
+    default is taken at its word (``check`` then names the change). The run's config takes the order
+    before it is saved (``trainer/resolve.py``), so its contract and config.yaml record it."""
     recorded = (saved or {}).get("window_order", LEGACY_WINDOW_ORDER)
     if cfg.data.window_order != DEFAULT_WINDOW_ORDER or recorded == DEFAULT_WINDOW_ORDER:
         return None
-    cfg.data.window_order = contract["window_order"] = recorded
     return recorded
 
 

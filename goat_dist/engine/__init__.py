@@ -5,9 +5,11 @@ backward of micro-batches, the optimizer step or a dropped one, the gradient nor
 state a checkpoint saves and loads, the bytes of training state, the module for evaluation), through the
 functions of the modules below, or through the sizes the planner counts with (``sizes``). Only this
 package imports ``deepspeed`` and only its objects hold DeepSpeed's engine (both enforced by
-``tests/unit/test_import_floors.py`` and ``tests/unit/test_package_promises.py``); whatever depends on
+``tests/unit/repo/test_import_floors.py`` and ``tests/unit/repo/test_package_promises.py``); whatever
+depends on
 DeepSpeed's attributes, optimizer classes or behaviour lives here, so that a DeepSpeed upgrade is checked
-here and in ``tests/unit/test_engine_contract.py`` (one test per assumption). The version range tested is
+here and in ``tests/unit/engine/test_engine_contract.py`` (one test per assumption). The version range
+tested is
 pinned in pyproject.toml.
 
 * ``facade``: ``Engine``, the engine as the trainer, checkpoints, evaluation and callbacks use it.

@@ -3,7 +3,8 @@ patches it needs (``patches.py``) applied where they belong.
 
 The model arrives made of megatron-core tensor-parallel layers with its optimizer and LR schedule built
 (``goat_dist/optim.py``); this wraps them in DeepSpeed's engine, ZeRO over the data-parallel x
-context-parallel group (``MegatronMPU``), and returns the engine behind its facade (``facade.Engine``).
+context-parallel group of the layout (``MegatronMPU``), and returns the engine behind its facade
+(``facade.Engine``).
 """
 
 from __future__ import annotations
@@ -11,43 +12,47 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from megatron.core import parallel_state
 from torch import nn
 
 from ..config import Config
+from ..distributed import Layout
 from . import patches, sizes
 from .facade import Engine
 from .zero3 import install_fp32_mirror
 
 
-def _replica_rank() -> int:
-    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
-
-
-def _replica_world_size() -> int:
-    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-
-
-def _replica_group():
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
 class MegatronMPU:
-    """The model-parallel interface DeepSpeed expects, answered by megatron-core's parallel_state.
+    """The model-parallel interface DeepSpeed expects, answered from a ``distributed.Layout`` (megatron's
+    groups, handed over by ``distributed.init``).
 
     DeepSpeed's "data parallel" is every replica of a TP slice: DP x CP. Context-parallel ranks hold
     identical weights (CP splits activations only) and their gradients are partial sums of one loss, so
     gradient averaging and ZeRO's partitions span DP x CP (at CP=1 this is megatron's DP group)."""
 
-    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
-    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
-    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
-    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
-    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
-    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
-    get_data_parallel_rank = staticmethod(_replica_rank)
-    get_data_parallel_world_size = staticmethod(_replica_world_size)
-    get_data_parallel_group = staticmethod(_replica_group)
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    def get_model_parallel_rank(self) -> int:
+        return self.layout.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.layout.tp
+
+    def get_model_parallel_group(self):
+        return self.layout.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.layout.replica_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.layout.replicas
+
+    def get_data_parallel_group(self):
+        return self.layout.replica_group
 
 
 def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
@@ -108,7 +113,8 @@ class HeldGradHooks:
 
     Why: ZeRO-1/2/3 reduce (and ZeRO-3 partitions) each gradient from a hook it registers with
     ``register_post_accumulate_grad_hook`` during ``deepspeed.initialize``
-    (``tests/unit/test_engine_contract.py``); a hook the caller registers later would run after them, on a
+    (``tests/unit/engine/test_engine_contract.py``); a hook the caller registers later would run after
+    them, on a
     gradient already reduced. While the engine is built (``capturing``) each parameter's
     ``register_post_accumulate_grad_hook`` is shadowed by one that records the hook and returns a handle
     whose ``remove`` forgets it."""
@@ -151,6 +157,7 @@ class _HeldHandle:
 
 def build_engine(
     model: nn.Module,
+    layout: Layout,
     cfg: Config,
     grad_accum: int,
     *,
@@ -161,7 +168,7 @@ def build_engine(
     held_hooks: HeldGradHooks | None = None,
 ) -> Engine:
     """The engine (``facade.Engine``) wrapping ``model`` (which it moves to the right device),
-    ``optimizer`` and ``scheduler`` in DeepSpeed's.
+    ``optimizer`` and ``scheduler`` in DeepSpeed's, over ``layout``'s groups (ZeRO over its replicas).
 
     ``fp32_params``: parameters whose forward must compute from fp32 values in bf16 mode (GOAT's prior):
     kept fp32 through the cast at ZeRO 0-2; at ZeRO-3 their fp32 masters are mirrored into
@@ -181,7 +188,7 @@ def build_engine(
             optimizer=optimizer,
             lr_scheduler=scheduler,
             config=deepspeed_config(cfg, grad_accum),
-            mpu=MegatronMPU(),
+            mpu=MegatronMPU(layout),
             dist_init_required=False,
         )
     if bf16 and stage not in patches.PRIOR_FP32_STAGES and fp32_params:
@@ -190,6 +197,6 @@ def build_engine(
         patches.record_grad_norm(engine)
     if stage == 0 and bf16:
         patches.undo_unfused_init_step(engine)
-    if stage == 0 and bf16 and parallel_state.get_tensor_model_parallel_world_size() > 1:
+    if stage == 0 and bf16 and layout.tp > 1:
         patches.mark_tp_gradients(model)
     return Engine(engine)

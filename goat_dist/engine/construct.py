@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..distributed import Layout
 from . import patches
 from .build import MegatronMPU, deepspeed_config
 
@@ -40,12 +41,13 @@ class PartitionAsBuilt:
     ``parts`` and ``largest_part_bytes`` record what passed through (the whole bytes of the largest part
     are the construction's peak above the partitions)."""
 
-    def __init__(self, cfg: Config, grad_accum: int):
+    def __init__(self, cfg: Config, grad_accum: int, layout: Layout):
         patches.skip_shm_build()  # DeepSpeed's first init would otherwise compile an op training never uses
         self.config = deepspeed_config(cfg, grad_accum)
         self.dtype = engine_dtype(cfg)
         self.parts = 0
         self.largest_part_bytes = 0
+        self.mpu = MegatronMPU(layout)
 
     def __call__(self, part: nn.Module) -> None:
         import deepspeed
@@ -59,18 +61,17 @@ class PartitionAsBuilt:
             for p in part.parameters():
                 if p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)  # what the engine's cast does (GOAT's prior included)
-        mpu = MegatronMPU()
         deepspeed.zero.Init(
             module=part,
-            data_parallel_group=mpu.get_data_parallel_group(),  # DP x CP, as the engine's
+            data_parallel_group=self.mpu.get_data_parallel_group(),  # DP x CP, as the engine's
             config_dict_or_path=self.config,
-            mpu=mpu,
+            mpu=self.mpu,
         )
 
 
-def partition_as_built(cfg: Config, grad_accum: int) -> PartitionAsBuilt | None:
+def partition_as_built(cfg: Config, grad_accum: int, layout: Layout) -> PartitionAsBuilt | None:
     """The ``built`` hook that builds the model partitioned: under ``parallel.zero_stage=3`` a
     ``PartitionAsBuilt``; None at ZeRO 0-2, whose engines keep every rank's whole shard anyway."""
     if cfg.parallel.zero_stage != 3:
         return None
-    return PartitionAsBuilt(cfg, grad_accum)
+    return PartitionAsBuilt(cfg, grad_accum, layout)

@@ -4,9 +4,11 @@ evaluation and memory accounting need, in the spirit of OLMo-core's ``TrainModul
 Why a facade: DeepSpeed's engine object exposes hundreds of attributes, and each one read elsewhere is an
 assumption a DeepSpeed upgrade can break far from this package. Outside ``goat_dist/engine/`` only this
 object travels (``build.build_engine`` returns it); the DeepSpeed engine it wraps (``Engine.deepspeed``) is
-for this package and for the tests that check DeepSpeed's contract (``tests/unit/test_engine_contract.py``).
-No module outside ``engine/`` imports ``deepspeed`` or holds its engine (``tests/unit/test_import_floors.py``,
-``tests/unit/test_package_promises.py``).
+for this package and for the tests that check DeepSpeed's contract
+(``tests/unit/engine/test_engine_contract.py``).
+No module outside ``engine/`` imports ``deepspeed`` or holds its engine
+(``tests/unit/repo/test_import_floors.py``,
+``tests/unit/repo/test_package_promises.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ torch's objects only (the optimizer wrapper, its flat buffers and partitions), w
 
 A snapshot: where it is taken matters. After the accumulation boundary's backward (gradients reduced)
 ZeRO-1 holds no gradient at all, while during the accumulation it holds every whole gradient; the
-planner's peak is validated after non-final backwards (``tests/integration/test_plan_validation.py``).
+planner's peak is validated after non-final backwards (``tests/integration/plan/test_plan_validation.py``).
 """
 
 from __future__ import annotations

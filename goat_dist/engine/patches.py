@@ -1,5 +1,5 @@
 """Where DeepSpeed's behaviour is changed for this project, each with the reason and the test that
-watches it (``tests/unit/test_engine_contract.py``: a DeepSpeed upgrade shows which assumption broke).
+watches it (``tests/unit/engine/test_engine_contract.py``: a DeepSpeed upgrade shows which assumption broke).
 
 * ``keep_fp32_through_cast``: bf16 mode casts every parameter; some must stay fp32 (GOAT's prior).
 * ``undo_unfused_init_step``: bf16 + ZeRO-0 steps Adam once while it is built; no other stage does.
@@ -17,7 +17,7 @@ like all others. ZeRO-3 does not: it moves the partitions of all groups into ONE
 (``defragment`` in deepspeed/runtime/zero/utils.py asserts a single dtype; stage3.py
 ``_create_fp16_partitions_with_defragmentation``). Under ZeRO-3 + bf16 the prior's parameters are
 therefore bf16 while their master copy and Adam state stay fp32, and ``zero3.install_fp32_mirror`` hands
-the forward pass the fp32 master values (tests/unit/test_bf16_prior.py).
+the forward pass the fp32 master values (tests/unit/engine/test_bf16_prior.py).
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def mark_tp_gradients(model: nn.Module) -> int:
     and asks ``is_model_parallel_parameter`` of each of them; a gradient never carries megatron's
     ``tensor_model_parallel`` attribute, so every TP rank but 0 skips all of its gradients and the norm
     (and the clipping based on it) counts TP rank 0's slices only (0.90 of the TP=1 norm for the test
-    model at TP=2; tests/integration/test_scale_out.py). Each new gradient of a TP-split parameter gets the
+    model at TP=2; tests/integration/parallel/test_scale_out.py). Each new gradient of a TP-split parameter
+    gets the
     attribute, so the norm sums every rank's slices and counts replicated parameters (identical on all
     TP ranks) once."""
     count = 0

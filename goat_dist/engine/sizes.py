@@ -2,7 +2,8 @@
 
 Why here: ``build.deepspeed_config`` sets DeepSpeed's buffers from these and the planner
 (``goat_dist.plan.memory``) counts their bytes from the config alone, before any engine exists; one
-definition keeps the two from drifting (``tests/unit/test_engine_contract.py`` checks the values DeepSpeed
+definition keeps the two from drifting (``tests/unit/engine/test_engine_contract.py`` checks the values
+DeepSpeed
 fixes itself). Nothing is imported: the planner reads these without torch or DeepSpeed.
 """
 

@@ -6,11 +6,12 @@ export`` directory (``model.safetensors`` + ``config.json``). Nothing is unpickl
 
 Why in two steps: ``read_checkpoint`` runs before the process groups exist (the model's config decides
 the layout) and reads only the config and run state; ``build_model`` builds the model for this rank's
-``parallel_state`` and reads each parameter's TP slice straight into it, cut by the split the new
-model's parameter declares (megatron's ``partition_dim`` / ``partition_stride``), so a checkpoint
-trained at one TP size evaluates at another. A rank of an N-way evaluation reads only its slice of a
-universal state (the files holding it, each opened once, checked as read against the manifest), and holds
-its slice plus one tensor on the host; an export directory's whole tensors are read one at a time.
+``distributed.Layout`` (the one ``distributed.init`` returned) and reads each parameter's TP slice
+straight into it, cut by the split the new model's parameter declares (megatron's ``partition_dim`` /
+``partition_stride``), so a checkpoint trained at one TP size evaluates at another. A rank of an N-way
+evaluation reads only its slice of a universal state (the files holding it, each opened once, checked as
+read against the manifest), and holds its slice plus one tensor on the host; an export directory's whole
+tensors are read one at a time.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
-from megatron.core import parallel_state
 
 from ..config import GoatConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from ..distributed import Layout
 
 
 @dataclass
@@ -160,15 +164,14 @@ def read_checkpoint(path: str | Path, backend: str | None = None) -> tuple[Model
 
 
 @torch.no_grad()
-def build_model(cfg: ModelConfig, read: dict) -> Loaded:
-    """Build the model for this rank's ``parallel_state`` (eval mode, fp32) and load its weights into it,
-    one tensor at a time: this rank's TP slice of each."""
+def build_model(cfg: ModelConfig, read: dict, layout: Layout) -> Loaded:
+    """Build the model for this rank's ``layout`` (eval mode, fp32) and load its weights into it, one
+    tensor at a time: this rank's TP slice of each."""
     from ..model import GPT
 
     tensors, source = read["tensors"], read["source"]
-    model = GPT(cfg)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    model = GPT(cfg, layout)
+    tp, tp_rank = layout.tp, layout.tp_rank
     try:
         for name, p in model.named_parameters():
             local = tensors.local(name, p, tp, tp_rank, source)
@@ -183,6 +186,10 @@ def build_model(cfg: ModelConfig, read: dict) -> Loaded:
     return Loaded(model.eval(), cfg, read["step"], source, read["run_dir"], read["run_config"])
 
 
-def load_model(path: str | Path, backend: str | None = None) -> Loaded:
-    """``read_checkpoint`` then ``build_model`` (process groups must exist)."""
-    return build_model(*read_checkpoint(path, backend))
+def load_model(path: str | Path, backend: str | None = None, layout: Layout | None = None) -> Loaded:
+    """``read_checkpoint`` then ``build_model`` for ``layout`` (None: the process groups'
+    ``distributed.current_layout()``; they must exist)."""
+    from .. import distributed
+
+    cfg, read = read_checkpoint(path, backend)
+    return build_model(cfg, read, layout if layout is not None else distributed.current_layout())

@@ -126,7 +126,7 @@ class Scorer:
         device = self.session.device
         with self.session.autocast():
             logits = self.model(tokens.to(device), positions.to(device))
-        logits = full_vocab(logits.float())[..., : self.model.vocab_size]
+        logits = full_vocab(logits.float(), self.model.tp_group)[..., : self.model.vocab_size]
         return torch.log_softmax(logits, dim=-1).cpu()
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

@@ -5,8 +5,8 @@ QUERY is right. With the true digits fed in (teacher forcing) one forward pass s
 every prediction is right, greedy decoding would have produced exactly these inputs, so the exact-match
 count is the same as decoding's. Samples are a pure function of (seed, length, depth, index).
 
-Tensor parallelism: logits are vocab-parallel; the answer positions' slices are gathered over the TP
-group before the argmax. Data-parallel ranks split the samples of each cell.
+Tensor parallelism: logits are vocab-parallel; the answer positions' slices are gathered over the model's
+TP group before the argmax. Data-parallel ranks (the model's ``layout``) split the samples of each cell.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
 
 from .. import collectives
 from ..data import synthetic
@@ -31,12 +30,12 @@ def cell_samples(length: int, depth: float, count: int, seed: int) -> np.ndarray
     return np.stack(rows)
 
 
-def full_vocab(logits: torch.Tensor) -> torch.Tensor:
-    """Gather vocab-parallel logits (..., V / tp) into (..., V) on every TP rank."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1:
+def full_vocab(logits: torch.Tensor, group) -> torch.Tensor:
+    """Gather vocab-parallel logits (..., V / tp) into (..., V) on every rank of ``group`` (the model's TP
+    group, ``model.tp_group``; None or a group of one: the logits are already whole)."""
+    if group is None or group.size() == 1:
         return logits
-    parts = collectives.all_gather(logits, group=parallel_state.get_tensor_model_parallel_group())
+    parts = collectives.all_gather(logits, group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -44,10 +43,11 @@ def full_vocab(logits: torch.Tensor) -> torch.Tensor:
 def retrieval_accuracy(
     model, length: int, depth: float, count: int, seed: int, batch_tokens: int, device: torch.device, autocast
 ) -> dict:
-    """Exact-match and per-digit accuracy of one cell; collective over the world."""
+    """Exact-match and per-digit accuracy of one cell; collective over the world (the model's ``layout``:
+    its DP ranks split the samples, its TP group gathers the logits)."""
     check_length(model.cfg, length)
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
+    layout = model.layout
+    dp, dp_rank = layout.dp, layout.dp_rank
     mine = cell_samples(length, depth, count, seed)[dp_rank::dp]
     micro = max(1, batch_tokens // length)
     exact = digits = 0
@@ -64,13 +64,13 @@ def retrieval_accuracy(
         positions = torch.arange(length, device=device).expand_as(tokens)
         with autocast():
             logits = model(tokens, positions)[:, answer]
-        predicted = full_vocab(logits.float())[..., : model.vocab_size].argmax(-1).cpu()
+        predicted = full_vocab(logits.float(), model.tp_group)[..., : model.vocab_size].argmax(-1).cpu()
         target = torch.from_numpy(chunk[:, length + 1 - synthetic.DIGITS :])
         hits = predicted == target
         exact += weight * int(hits.all(-1).sum())
         digits += weight * int(hits.sum())
     totals = torch.tensor([exact, digits], dtype=torch.float64)
-    collectives.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    collectives.all_reduce(totals, group=layout.dp_group)
     return {
         "length": length,
         "depth": depth,

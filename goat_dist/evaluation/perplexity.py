@@ -12,7 +12,8 @@ windows (``data.bos_framing``) is evaluated on them: window ``w`` is a BOS and t
 ``w*(length-1) .. (w+1)*(length-1) - 1``, predicting those and the next one (``data/framing.py``).
 
 Tensor parallelism: under torchrun every TP rank computes its vocabulary slice and the cross-entropy is
-vocab-parallel; data-parallel ranks (world / TP) split the windows and sum. Context parallelism (one
+vocab-parallel over the model's TP group; data-parallel ranks (world / TP, the model's ``layout``) split
+the windows and sum. Context parallelism (one
 window split over ranks, for lengths beyond one device's memory) does not exist in goat-dist yet.
 """
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
 
 from .. import collectives
 from ..data import framing
 from ..data.loader import IGNORE_INDEX, PackedBatches
 from ..data.sources import resolve_sources
+from ..model.loss import vocab_parallel_cross_entropy
 from . import EvalError
 
 PROTOCOL = (
@@ -48,10 +49,13 @@ def check_length(cfg, length: int) -> None:
 
 
 def token_losses(model, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy (b, s) in fp32, vocab-parallel under TP (a collective over the TP group)."""
+    """Per-token cross-entropy (b, s) in fp32, vocab-parallel under TP (a collective over the model's TP
+    group, ``model.tp_group``)."""
     logits = model(tokens, positions)  # (b, s, V / tp), padded columns -inf
-    losses = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.float().transpose(0, 1).contiguous(), labels.clamp(min=0).transpose(0, 1).contiguous()
+    losses = vocab_parallel_cross_entropy(
+        logits.float().transpose(0, 1).contiguous(),
+        labels.clamp(min=0).transpose(0, 1).contiguous(),
+        model.tp_group,
     )
     return losses.transpose(0, 1) * (labels != IGNORE_INDEX)
 
@@ -69,12 +73,13 @@ def perplexity_at(
     train_len: int,
     bos_framing: bool = False,
 ) -> dict:
-    """One evaluation length; collective over the world (every rank calls it with the same arguments).
-    ``bos_framing``: each window is a BOS and ``length - 1`` corpus tokens, as the model was trained
-    (``data.bos_framing``, ``data/framing.py``); the BOS is position 0 and predicts the first token."""
+    """One evaluation length; collective over the world (every rank calls it with the same arguments): the
+    model's ``layout`` says how its DP ranks split the windows. ``bos_framing``: each window is a BOS and
+    ``length - 1`` corpus tokens, as the model was trained (``data.bos_framing``, ``data/framing.py``); the
+    BOS is position 0 and predicts the first token."""
     check_length(model.cfg, length)
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
+    layout = model.layout
+    dp, dp_rank = layout.dp, layout.dp_rank
     micro = max(1, batch_tokens // length)
     sources = resolve_sources([{"path": data_path, "weight": 1.0}], split)
     available = (sources[0].total_tokens - 1) // framing.stride(length, bos_framing)
@@ -102,7 +107,7 @@ def perplexity_at(
         by_position += losses.double().cpu().sum(0)
         counts += valid.sum(0)
     totals = torch.stack([by_position, counts])
-    collectives.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    collectives.all_reduce(totals, group=layout.dp_group)
     by_position, counts = totals
     loss = float(by_position.sum() / counts.sum())
     blocks = []

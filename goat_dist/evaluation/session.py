@@ -53,7 +53,7 @@ class Session:
             world, tp, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.seq_len, False
         )
         self.layout = distributed.init(tp=tp)
-        self.loaded = build_model(cfg, read)
+        self.loaded = build_model(cfg, read, self.layout)
         self.model = self.loaded.model.to(self.layout.device)
         release_freed_memory()  # the read's buffers: a rank then holds its slice, not its slice + buffers
         self.device = self.layout.device

@@ -25,7 +25,7 @@ FLASH4_MAJORS = (9, 10, 11, 12)
 # in the backward too, with or without GQA ((64, 32): "failed to perform a valid division"). Where the
 # rules say no, v is zero-padded to the q/k width (or, when wider, runs in slices) and the output cut
 # back: zero lanes give zero outputs and no gradient.
-# ``tests/fa4_compile.py`` compiles the real kernels on CPU for every shape the project produces.
+# ``tests/harness/fa4_compile.py`` compiles the real kernels on CPU for every shape the project produces.
 
 
 def _flash4_dims_ok(dq: int, dv: int, major: int) -> bool:

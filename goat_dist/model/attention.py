@@ -10,7 +10,7 @@ what to do with q and k.
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from torch import nn
 
 from ..config import ModelConfig
@@ -24,10 +24,9 @@ from .positions import build_position
 
 
 class ParallelSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method, tp_group):
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp, tp_rank = tp_group.size(), tp_group.rank()
         self.cfg = cfg
         heads, kv_heads, self.head_dim, content_dim = head_dims(cfg)
         self.local_heads, self.local_kv_heads = heads // tp, kv_heads // tp
@@ -53,6 +52,7 @@ class ParallelSelfAttention(nn.Module):
             init_method=init_method,
             bias=cfg.bias,
             gather_output=False,
+            tp_group=tp_group,
         )
         # drawn at the full head width whatever the scheme, GOAT keeping each q/k head's content rows
         # (``gpt.init_shards_``): GOAT, ALiBi, RoPE and NoPE start from the same q/k/v weights
@@ -68,6 +68,7 @@ class ParallelSelfAttention(nn.Module):
             bias=cfg.bias,
             input_is_parallel=True,
             skip_bias_add=False,
+            tp_group=tp_group,
         )
 
     def forward(

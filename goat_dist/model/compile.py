@@ -5,7 +5,8 @@ are graph inputs), so compilation costs one block's, whatever the depth; the emb
 engine's hooks stay eager. GOAT adds O(L) elementwise work per layer (Fourier features, the sink MLP, the
 exact lane split) that the compiler fuses with the norms, SwiGLU and the residual adds.
 
-What is compiled and when (``parallel.model_parallel.apply`` sets it up):
+What is compiled and when (``parallel.model_parallel.apply`` sets it up; ``resolve_compile`` there reads
+``model.compile``):
 
 * only a block's *training* forward (and its backward): evaluation, attention probes and offline
   evaluation at many lengths run the same blocks eagerly, so their shapes never recompile anything;
@@ -27,18 +28,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core import tensor_parallel
-
-CHOICES = ("auto", True, False)
-
-
-def resolve_compile(setting, cuda: bool | None = None) -> bool:
-    """``model.compile`` -> whether to compile: ``auto`` compiles on CUDA only (on CPU the compile takes
-    longer than it saves in a short run: docs/performance.md), True / False as given."""
-    if setting not in CHOICES:
-        raise ValueError(f"model.compile must be one of auto, true, false; got {setting!r}")
-    if setting == "auto":
-        return torch.cuda.is_available() if cuda is None else cuda
-    return bool(setting)
 
 
 def _block_forward(block, x, position_ids, segments, shard):

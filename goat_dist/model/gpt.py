@@ -4,31 +4,52 @@ Read top to bottom: embedding -> N x (pre-norm attention, pre-norm MLP) -> final
 logits -> vocab-parallel cross-entropy. Activations between blocks are ``[s, b, h]``; under sequence
 parallelism each TP rank holds ``s / tp`` of them.
 
-The parallel layout is set up from ``parallel/model_parallel.py`` (``apply``: sequence parallelism's
-scatter/gather, the context-parallel split, activation checkpointing), which the constructor calls;
-the forward reads no process state (the TP rank is read once, at construction).
+The model is built plain for its ``distributed.Layout`` (its TP group: the megatron layers' shards and
+collectives); ``parallel.parallelize`` (``parallel/model_parallel.py``) then applies sequence
+parallelism's scatter/gather, the context-parallel split, activation checkpointing and compilation. The
+forward reads no process state: every group it uses was handed to it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from ..config import ModelConfig
 from ..data.loader import IGNORE_INDEX  # label of tokens that carry no loss
+from ..distributed import Layout, current_layout
 from ..kernels import document_segments
-from ..parallel import model_parallel
 from ..parallel.context import ContextShard
+from ..parallel.model_parallel import plain_call
 from ..shapes import ffn_size, padded_vocab_size
 from .attention import ParallelSelfAttention
-from .compile import ColumnParallelLinear, RowParallelLinear, compiled_block_forward, resolve_compile
+from .compile import ColumnParallelLinear, RowParallelLinear, compiled_block_forward
+from .loss import vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from ..parallel.context import ContextParallel
+    from ..parallel.model_parallel import FirstPassClock
 
 __all__ = ["GPT", "ffn_size", "init_shard_", "init_shards_", "padded_vocab_size"]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _not_scattered(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError(
+        "this GPT was built for sequence parallelism (sequence_parallel=True) and has not been set up to "
+        "run with it: parallel.parallelize (or parallel.model_parallel.apply) adds the scatter"
+    )
 
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
@@ -43,7 +64,7 @@ def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method, tp_group):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         ffn = ffn_size(cfg)
@@ -57,6 +78,7 @@ class ParallelMLP(nn.Module):
             bias=cfg.bias,
             gather_output=False,
             stride=2 if self.swiglu else 1,
+            tp_group=tp_group,
         )
         self.fc1.weight_stride = 2 if self.swiglu else 1  # megatron keeps it only in its own init
         self.fc2 = RowParallelLinear(
@@ -67,6 +89,7 @@ class ParallelMLP(nn.Module):
             bias=cfg.bias,
             input_is_parallel=True,
             skip_bias_add=False,
+            tp_group=tp_group,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,13 +104,13 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method):
+    def __init__(self, cfg: ModelConfig, mp_config, init_method, output_init_method, tp_group):
         super().__init__()
         sp = mp_config.sequence_parallel
         self.attn_norm = make_norm(cfg, sp)
-        self.attn = ParallelSelfAttention(cfg, mp_config, init_method, output_init_method)
+        self.attn = ParallelSelfAttention(cfg, mp_config, init_method, output_init_method, tp_group)
         self.mlp_norm = make_norm(cfg, sp)
-        self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method)
+        self.mlp = ParallelMLP(cfg, mp_config, init_method, output_init_method, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
         self.compiled = False  # model.compile: training forwards run compiled (``model/compile.py``)
 
@@ -126,7 +149,9 @@ def _fill_normal_span_(out, dim: int, full: int, start: int, std: float, seeds) 
 
 
 @torch.no_grad()
-def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds, full_width_rows=None) -> None:
+def init_shard_(
+    weight: nn.Parameter, std: float, dim: int, stride: int, seeds, tp: int, rank: int, full_width_rows=None
+) -> None:
     """Fill this rank's TP shard of a weight split along ``dim`` (megatron's ``stride``-interleaved
     split) with the values the whole weight would have at any TP size: every value depends only on its
     global position (``_fill_normal_span_``), and a rank draws only its own shard, on the weight's device,
@@ -135,9 +160,8 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds, 
     ``full_width_rows`` (dim 0, stride 1: GOAT's fused q/k/v): ``(rows, spans)``, the shard's row count
     at the full head width and ``shapes.qkv_row_spans``; the shard then holds those rows of the
     full-width weight, so its values are the other position schemes' (and still TP-independent: a rank
-    owns whole KV groups, so its full-width rows are the rank-th slice of the full-width weight)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    owns whole KV groups, so its full-width rows are the rank-th slice of the full-width weight).
+    ``tp``, ``rank``: the TP size and this rank's place in it."""
     if weight.device.type == "meta":  # shapes only (the planner's dry run): nothing to draw
         if not hasattr(weight, "tensor_model_parallel"):
             tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
@@ -157,7 +181,9 @@ def init_shard_(weight: nn.Parameter, std: float, dim: int, stride: int, seeds, 
         tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, stride)
 
 
-def init_shards_(part: nn.Module, base_seed: int, std: float, out_std: float, index: int) -> int:
+def init_shards_(
+    part: nn.Module, base_seed: int, std: float, out_std: float, index: int, tp: int, tp_rank: int
+) -> int:
     """Initialise the megatron TP layers of ``part``, each rank only its shards, to the same values for
     every TP size (``init_shard_``): N(0, std), N(0, out_std) for the output projections of the residual
     branches (the row-parallel layers), zero biases. The fused q/k/v is drawn at the full head width
@@ -172,7 +198,7 @@ def init_shards_(part: nn.Module, base_seed: int, std: float, out_std: float, in
         stride = getattr(module, "weight_stride", 1)
         seeds = lambda block, index=index: _block_seed(base_seed, index, block)
         wide = getattr(module, "full_width_rows", None)
-        init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds, wide)
+        init_shard_(module.weight, out_std if row else std, 1 if row else 0, stride, seeds, tp, tp_rank, wide)
         if getattr(module, "bias", None) is not None:
             with torch.no_grad():
                 module.bias.zero_()
@@ -184,30 +210,52 @@ class _Parts:
     """Finishes the model part by part: initialises each part's TP shards (numbering its layers after the
     previous parts') and hands it to ``built``."""
 
-    def __init__(self, base_seed: int, std: float, out_std: float, built):
+    def __init__(self, base_seed: int, std: float, out_std: float, built, tp: int, tp_rank: int):
         self.base_seed, self.std, self.out_std, self.built = base_seed, std, out_std, built
+        self.tp, self.tp_rank = tp, tp_rank
         self.index = 0
 
     def done(self, part: nn.Module) -> nn.Module:
-        self.index = init_shards_(part, self.base_seed, self.std, self.out_std, self.index)
+        self.index = init_shards_(
+            part, self.base_seed, self.std, self.out_std, self.index, self.tp, self.tp_rank
+        )
         if self.built is not None:
             self.built(part)
         return part
 
 
 class GPT(nn.Module):
+    """The decoder, built for one layout's TP group; run in parallel by ``parallel.parallelize``.
+
+    Set at construction and read by the forward (``parallel.model_parallel.apply`` replaces the parallel
+    ones): ``into_sequence_region`` (the embeddings into the blocks' region: the SP scatter),
+    ``tied_output_input`` (a tied output layer's input: the SP gather, else the copy into the TP region),
+    ``block_call`` (how a block runs: plain or recomputed), ``context`` (context parallelism, None
+    without), ``compile_clock`` (times the first compiled pass, None without compilation)."""
+
+    layout: Layout
+    tp_group: object  # the TP process group every TP collective of this model runs on
+    into_sequence_region: Callable[[torch.Tensor], torch.Tensor]
+    tied_output_input: Callable[[torch.Tensor], torch.Tensor]
+    block_call: Callable
+    context: ContextParallel | None
+    compile_clock: FirstPassClock | None
+    activation_checkpointing: str
+
     def __init__(
         self,
         cfg: ModelConfig,
+        layout: Layout | None = None,
         sequence_parallel: bool = False,
-        activation_checkpointing: str = "none",
-        context=model_parallel.WORLD,
         built=None,
         documents: bool = True,
-        compile=None,
     ):
-        """``context``: context parallelism (``parallel.context.ContextParallel``, None, or by default
-        this process's, see ``parallel.model_parallel.apply``).
+        """``layout``: the process groups the model is split over and communicates on (its TP group);
+        None: this process's (``distributed.current_layout``).
+
+        ``sequence_parallel``: megatron's TP layers are built for sequence parallelism (their gathers and
+        reduce-scatters); ``parallel.parallelize`` adds the scatter before the blocks, without which such a
+        model refuses to run.
 
         ``built``: called with each part of the model (the embedding, the learned positions, every block,
         the final norm, the output layer; together every parameter), in module order, once that part is
@@ -218,18 +266,17 @@ class GPT(nn.Module):
         ``documents``: whether positions may restart inside a row (packed documents,
         ``data.document_masking``). The forward then finds the documents, which reads one value on the
         host per micro-batch (``kernels.document_segments``); False skips that and its sync: every row
-        is one sequence.
-
-        ``compile``: ``model.compile`` (auto | True | False; None: ``cfg.compile``): each block's training
-        forward through ``torch.compile`` (``model/compile.py``)."""
+        is one sequence."""
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        layout = current_layout() if layout is None else layout
+        tp, tp_rank, tp_group = layout.tp, layout.tp_rank, layout.tp_group
         # from the global seed, identical on every rank; on the CPU generator also when the model is built
         # under a device context (the planner materialises shards on the meta device)
         base_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         self.cfg = cfg
+        self.layout = layout
         self.tp = tp  # the TP size the layers below are split for
+        self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel  # megatron's layers below are built for it
         self.documents = documents  # look for packed documents in every forward
         self.vocab_size = cfg.vocab_size
@@ -249,9 +296,9 @@ class GPT(nn.Module):
         init = lambda w: nn.init.normal_(w, mean=0.0, std=std)
         out_init = lambda w: nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * cfg.num_layers))
 
-        parts = _Parts(base_seed, std, std / math.sqrt(2 * cfg.num_layers), built)
+        parts = _Parts(base_seed, std, std / math.sqrt(2 * cfg.num_layers), built, tp, tp_rank)
         embedding = tensor_parallel.VocabParallelEmbedding(
-            self.padded_vocab, cfg.hidden_size, init_method=init, config=mp
+            self.padded_vocab, cfg.hidden_size, init_method=init, config=mp, tp_group=tp_group
         )
         self.embedding = parts.done(embedding)
         self.pos_embedding = None
@@ -261,7 +308,7 @@ class GPT(nn.Module):
             parts.done(self.pos_embedding)
         self.blocks = nn.ModuleList()
         for _ in range(cfg.num_layers):
-            self.blocks.append(parts.done(TransformerBlock(cfg, mp, init, out_init)))
+            self.blocks.append(parts.done(TransformerBlock(cfg, mp, init, out_init, tp_group)))
         self.final_norm = parts.done(make_norm(cfg, sequence_parallel))
         self.output = None
         if not cfg.tie_embeddings:
@@ -273,14 +320,18 @@ class GPT(nn.Module):
                     init_method=init,
                     bias=False,
                     gather_output=False,
+                    tp_group=tp_group,
                 )
             )
-        model_parallel.apply(
-            self,
-            activation_checkpointing=activation_checkpointing,
-            context=context,
-            compile=resolve_compile(cfg.compile if compile is None else compile),
+        # run as built: no sequence or context split, no recomputation, eager
+        self.into_sequence_region = _not_scattered if sequence_parallel else _identity
+        self.tied_output_input = functools.partial(
+            tensor_parallel.copy_to_tensor_model_parallel_region, group=tp_group
         )
+        self.block_call = plain_call
+        self.activation_checkpointing = "none"
+        self.context = None
+        self.compile_clock = None
 
     # ---- forward ----------------------------------------------------------------------------------
     def hidden_states(
@@ -331,7 +382,7 @@ class GPT(nn.Module):
         chunks (``parallel/context.py``); logits are those of its chunks, and the loss is
         ``cp x (its tokens' loss sum) / (tokens of the whole rows)``, whose mean over the CP group is the
         whole rows' mean (gradients are averaged over DP x CP, so the factor cp cancels there too).
-        The CP group is ``self.context``, set up by ``parallel.model_parallel.apply``."""
+        The CP group is ``self.context``, set by ``parallel.model_parallel.apply``."""
         shard = None if self.context is None else self.context.shard(position_ids, self.documents)
         count = None
         if shard is not None:
@@ -344,7 +395,7 @@ class GPT(nn.Module):
             return logits.transpose(0, 1)
         labels = labels.transpose(0, 1).contiguous()
         keep = labels != IGNORE_INDEX  # e.g. the unreadable part of a skipped corrupt shard
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.clamp(min=0))
+        losses = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.tp_group)
         if shard is not None:
             return (losses * keep).sum() * shard.cp / count
         return (losses * keep).sum() / keep.sum().clamp(min=1)

@@ -12,13 +12,13 @@ Why hooks and the model's own ``_attend``: the probabilities are those of the mo
 re-derivation. ``_attend(q, k, V)`` with ``V`` the one-hot code of the keys returns the probability rows
 themselves (``P @ V = P``); key chunks of ``KEY_CHUNK`` bound the memory. A hook on each attention's
 ``qkv`` projection takes its output during an ordinary forward pass (the eval pass), so the model runs
-once. Statistics are summed over this rank's heads and reduced over the TP group.
+once. Statistics are summed over this rank's heads and reduced over the model's TP group
+(``model.tp_group``, its ``layout``'s).
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 
 from .. import collectives
 from ..goat import split_grouped_qkv
@@ -125,7 +125,7 @@ class AttentionProbe:
         if len(self.sums) != len(self.model.blocks):
             return None
         table = torch.stack([self.sums[i] for i in range(len(self.model.blocks))])  # (layers, 4)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            collectives.all_reduce(table, group=parallel_state.get_tensor_model_parallel_group())
+        if self.model.layout.tp > 1:
+            collectives.all_reduce(table, group=self.model.tp_group)
         means = table[:, :3] / table[:, 3:4]
         return {name: [round(float(v), 6) for v in means[:, c]] for c, name in enumerate(FIELDS)}

@@ -5,16 +5,15 @@ Why from the module's public methods only (``GoatPrior.log_prior`` / ``sink``, t
 model computes, whatever the lanes' implementation. The relative term is read off the explicit matrix:
 with positions ``(0, d)`` and no causal recency, ``K[1, 0] = K_rel(d) + u(0)``.
 
-Under tensor parallelism each rank owns some KV heads; every rank computes its own and the TP group
-gathers them to its first rank (a collective, only at ``log.prior_interval`` steps). Under ZeRO-3 the
-prior's parameters are gathered for the moment (``engine.zero3.gathered``; they are tiny and normally
-persistent anyway).
+Under tensor parallelism each rank owns some KV heads; every rank computes its own and the model's TP
+group (``model.tp_group``, its ``layout``'s) gathers them to its first rank (a collective, only at
+``log.prior_interval`` steps). Under ZeRO-3 the prior's parameters are gathered for the moment
+(``engine.zero3.gathered``; they are tiny and normally persistent anyway).
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 
 from .. import collectives
 from ..engine.zero3 import gathered
@@ -68,12 +67,11 @@ def prior_curves(prior, train_len: int, reach: int = REACH, grid: int = GRID) ->
     }
 
 
-def _gather_heads(curves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Concatenate every TP rank's heads (first dim of the per-head tensors) in rank order."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+def _gather_heads(curves: dict[str, torch.Tensor], tp: int, group) -> dict[str, torch.Tensor]:
+    """Concatenate every TP rank's heads (first dim of the per-head tensors) in rank order: ``tp`` ranks
+    in ``group`` (the model's TP group)."""
     if tp == 1:
         return curves
-    group = parallel_state.get_tensor_model_parallel_group()
     out = dict(curves)
     for key in ("k_rel", "sink", "slope", "log_prior"):
         out[key] = torch.cat(collectives.all_gather(curves[key], group=group))
@@ -82,7 +80,8 @@ def _gather_heads(curves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def prior_snapshot(model, layers: list[int] | None, heads: list[int] | None, step: int) -> dict | None:
     """Curves of the chosen layers and KV heads as numpy arrays on the TP group's first rank (None on the
-    others, and everywhere for a model without a GOAT prior). Collective over the TP group."""
+    others, and everywhere for a model without a GOAT prior). Collective over the model's TP group
+    (``model.layout``'s)."""
     blocks = model.blocks
     if getattr(blocks[0].attn, "prior", None) is None:
         return None
@@ -90,11 +89,12 @@ def prior_snapshot(model, layers: list[int] | None, heads: list[int] | None, ste
     sync = getattr(model, "sync_prior_masters", None)  # ZeRO-3 + bf16: the fp32 values (engine/zero3.py)
     if sync is not None:
         sync()
+    layout = model.layout
     snapshot = {"step": step, "train_len": train_len, "layers": {}}
     for layer in chosen_layers(layers, len(blocks)):
         prior = blocks[layer].attn.prior
         with gathered(prior):
-            curves = _gather_heads(prior_curves(prior, train_len))
+            curves = _gather_heads(prior_curves(prior, train_len), layout.tp, model.tp_group)
         total = curves["k_rel"].shape[0]
         keep = list(range(total)) if heads is None else [h for h in heads if 0 <= h < total]
         if heads is not None and len(keep) != len(heads):
@@ -104,4 +104,4 @@ def prior_snapshot(model, layers: list[int] | None, heads: list[int] | None, ste
         }
         snapshot["layers"][layer] = {k: v.cpu().numpy() for k, v in picked.items()}
         snapshot["heads"] = keep
-    return snapshot if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    return snapshot if layout.tp_rank == 0 else None

@@ -13,8 +13,6 @@ from .context import (
     ContextShard,
     attend_context,
     context_attention,
-    context_parallel,
-    context_shard,
     gather_sequence,
 )
 
@@ -23,7 +21,5 @@ __all__ = [
     "ContextShard",
     "attend_context",
     "context_attention",
-    "context_parallel",
-    "context_shard",
     "gather_sequence",
 ]

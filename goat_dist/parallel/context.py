@@ -25,7 +25,7 @@ whole row's K/V per rank (kept for backward), which is small next to the local a
 
 Loss and gradients: rank loss = ``cp · (sum of its token losses) / (tokens of the whole row batch)``;
 the mean over the CP group is the token-weighted mean of the whole rows. Gradients are averaged over the
-DP x CP group (``parallel_state.get_data_parallel_group(with_context_parallel=True)``), which is where
+DP x CP group (the layout's ``replica_group``), which is where
 ZeRO partitions: CP ranks hold identical replicas of the weights (CP splits activations only), so they
 are data-parallel replicas for the optimizer, and the factor ``cp`` in the rank loss cancels the extra
 ``1/cp`` of that average.
@@ -47,8 +47,6 @@ __all__ = [
     "ContextShard",
     "attend_context",
     "context_attention",
-    "context_parallel",
-    "context_shard",
     "gather_sequence",
     "make_shard",
     "reorder_gathered",
@@ -96,22 +94,10 @@ def split_rows(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return view.index_select(1, index).reshape(x.shape[0], L // cp, *x.shape[2:])
 
 
-def cp_world() -> tuple[int, int, object]:
-    """(cp size, cp rank, cp group) from megatron's parallel_state; (1, 0, None) when it is not set up."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, 0, None
-    group = parallel_state.get_context_parallel_group(check_initialized=False)
-    if group is None:
-        return 1, 0, None
-    return group.size(), group.rank(), group
-
-
 @dataclass(frozen=True)
 class ContextParallel:
-    """This rank's place in its CP group, fixed when the model is set up (``context_parallel``); the
-    model's forward asks it for the shard of each batch."""
+    """This rank's place in its CP group (from the model's layout, ``model_parallel.apply``); the model's
+    forward asks it for the shard of each batch."""
 
     cp: int
     rank: int
@@ -119,18 +105,6 @@ class ContextParallel:
 
     def shard(self, position_ids: torch.Tensor, documents: bool = True) -> ContextShard:
         return make_shard(position_ids, self.cp, self.rank, self.group, documents)
-
-
-def context_parallel() -> ContextParallel | None:
-    """This process's context parallelism (from megatron's parallel_state); None without it."""
-    cp, rank, group = cp_world()
-    return None if cp == 1 else ContextParallel(cp, rank, group)
-
-
-def context_shard(position_ids: torch.Tensor) -> ContextShard | None:
-    """This rank's shard of whole rows with ``position_ids`` (B, L); None without context parallelism."""
-    context = context_parallel()
-    return None if context is None else context.shard(position_ids)
 
 
 def make_shard(

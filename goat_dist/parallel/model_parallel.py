@@ -1,14 +1,13 @@
 """How a built GPT runs in parallel: ``apply(model, ...)`` sets up sequence parallelism's scatter and
-gather, the context-parallel split of each batch, and activation checkpointing, so the model's forward
-reads no process state of its own.
+gather, the context-parallel split of each batch, activation checkpointing and compilation, on the groups
+of the model's own layout (``model.layout``), so the model's forward reads no process state.
 
 * Sequence parallelism (``parallel.sp``): megatron's TP layers are built for it (``GPT(cfg,
   sequence_parallel=True)``); ``apply`` adds the scatter of the embeddings into the sequence-parallel
   region before the blocks, and the gather before a tied output layer (without SP: megatron's
   copy-to-TP region, whose backward all-reduces).
-* Context parallelism (``parallel.cp``): the CP group of this rank (``context.ContextParallel``), from
-  megatron's ``parallel_state`` when ``apply`` runs, unless given; the forward splits each batch of whole
-  rows into this rank's chunks with it.
+* Context parallelism (``parallel.cp``): the CP group of the model's layout (``context.ContextParallel``),
+  unless given; the forward splits each batch of whole rows into this rank's chunks with it.
 * Activation checkpointing (``train.activation_checkpointing``): ``full`` recomputes each block in the
   backward, ``selective`` only each attention core (no L x L activations kept); in training only.
 * Compilation (``model.compile``): each block's training forward through ``torch.compile``
@@ -18,18 +17,31 @@ reads no process state of its own.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
-import torch.distributed as dist
 from megatron.core import tensor_parallel
 from torch.utils.checkpoint import checkpoint
 
 from ..engine.zero3 import mark_leaf
-from .context import ContextParallel, context_parallel
+from .context import ContextParallel
+
+COMPILE_CHOICES = ("auto", True, False)
+
+
+def resolve_compile(setting, cuda: bool | None = None) -> bool:
+    """``model.compile`` -> whether to compile: ``auto`` compiles on CUDA only (on CPU the compile takes
+    longer than it saves in a short run: docs/performance.md), True / False as given."""
+    if setting not in COMPILE_CHOICES:
+        raise ValueError(f"model.compile must be one of auto, true, false; got {setting!r}")
+    if setting == "auto":
+        return torch.cuda.is_available() if cuda is None else cuda
+    return bool(setting)
+
 
 CHECKPOINTING = ("none", "full", "selective")
-WORLD = "world"  # context=WORLD: this process's CP group, from parallel_state
+LAYOUT = "layout"  # context=LAYOUT: the CP group of the model's layout
 
 
 def plain_call(module, fn, *args):
@@ -52,33 +64,41 @@ def apply(
     model,
     *,
     activation_checkpointing: str = "none",
-    context: ContextParallel | None | str = WORLD,
+    context: ContextParallel | None | str = LAYOUT,
     compile: bool = False,
 ):
-    """Set up ``model`` (a ``model.GPT``) to run in this process's parallel layout; returns it.
+    """Set up ``model`` (a ``model.GPT``) to run in its layout (``model.layout``); returns it.
 
     Sequence parallelism follows the model's construction (its megatron layers are built for it or
-    not). ``context``: a ``ContextParallel``, None for none, or ``WORLD`` (default): this process's,
-    from megatron's parallel_state. ``compile``: each block's training forward compiled. May be called
-    again (e.g. to change the checkpointing)."""
+    not). ``context``: a ``ContextParallel``, None for none, or ``LAYOUT`` (default): the layout's CP
+    group. ``compile``: each block's training forward compiled. May be called again (e.g. to change the
+    checkpointing)."""
     if activation_checkpointing not in CHECKPOINTING:
         raise ValueError(
             f"train.activation_checkpointing must be one of {CHECKPOINTING}, got {activation_checkpointing!r}"
         )
-    sp = model.sequence_parallel
-    model.into_sequence_region = tensor_parallel.scatter_to_sequence_parallel_region if sp else identity
-    model.tied_output_input = (
-        tensor_parallel.gather_from_sequence_parallel_region
-        if sp
-        else tensor_parallel.copy_to_tensor_model_parallel_region
-    )
+    sp, layout, group = model.sequence_parallel, model.layout, model.tp_group
+    if sp:
+        model.into_sequence_region = functools.partial(
+            tensor_parallel.scatter_to_sequence_parallel_region, group=group
+        )
+        model.tied_output_input = functools.partial(
+            tensor_parallel.gather_from_sequence_parallel_region, group=group
+        )
+    else:
+        model.into_sequence_region = identity
+        model.tied_output_input = functools.partial(
+            tensor_parallel.copy_to_tensor_model_parallel_region, group=group
+        )
     model.activation_checkpointing = activation_checkpointing
     model.block_call = recompute_when_training if activation_checkpointing == "full" else plain_call
     for block in model.blocks:
         block.attn.core_call = (
             recompute_when_training if activation_checkpointing == "selective" else plain_call
         )
-    model.context = context_parallel() if context == WORLD else context
+    if context == LAYOUT:
+        context = ContextParallel(layout.cp, layout.cp_rank, layout.cp_group) if layout.cp > 1 else None
+    model.context = context
     for block in model.blocks:
         block.compiled = compile
         # ZeRO-3 then gathers the block's parameters in the block's own hooks, outside the compiled
@@ -86,7 +106,7 @@ def apply(
         mark_leaf(block, compile)
     if compile and getattr(model, "compile_clock", None) is None:
         blocks = len(model.blocks)
-        main = not dist.is_initialized() or dist.get_rank() == 0
+        main = layout.is_main
         model.compile_clock = FirstPassClock(lambda s: _report_compile(blocks, s) if main else None)
     elif not compile:
         model.compile_clock = None

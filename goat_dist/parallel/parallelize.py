@@ -1,18 +1,21 @@
-"""The one step that turns a model into a distributed training engine.
+"""The one step that turns a built model into a distributed training engine.
 
-The model is already made of megatron-core tensor-parallel layers; this adds what spans ranks: gradient
-reductions for parameters replicated across the TP group (``TPGradSum``, ours), and the engine
-(``goat_dist.engine.build_engine``: ZeRO over the data-parallel x context-parallel group, returned as its
-facade ``goat_dist.engine.Engine``). What DeepSpeed does with gradients (its reduction hooks, which the TP
-sum must precede) is the engine's business: ``goat_dist.engine.HeldGradHooks`` holds them for the sum.
+The model is built plain from megatron-core tensor-parallel layers for its layout (``model.layout``);
+``parallelize`` applies, in this order: sequence parallelism's scatter/gather, the context-parallel split,
+activation checkpointing and compilation (``model_parallel.apply``); the gradient reduction of the
+parameters replicated across the TP group (``TPGradSum``, ours); and the engine
+(``goat_dist.engine.build_engine``: ZeRO over the layout's data-parallel x context-parallel group,
+returned as its facade ``goat_dist.engine.Engine``). What DeepSpeed does with gradients (its reduction
+hooks, which the TP sum must precede) is the engine's business: ``goat_dist.engine.HeldGradHooks`` holds
+them for the sum.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
-from megatron.core import parallel_state
 from torch import nn
 
 from .. import collectives
@@ -21,6 +24,10 @@ from ..engine.build import HeldGradHooks, build_engine
 from ..engine.zero3 import full_shape
 from ..goat.prior import FP32_FORWARD
 from ..optim import build_optimizer, is_prior
+from . import model_parallel
+
+if TYPE_CHECKING:
+    from ..model import GPT
 
 __all__ = [
     "TPGradSum",
@@ -31,18 +38,26 @@ __all__ = [
 ]
 
 
-def parallelize(model: nn.Module, cfg: Config, grad_accum: int):
-    """Returns the engine (``goat_dist.engine.Engine``) wrapping ``model`` (which it moves to the right
-    device): the TP gradient sum registered first, then the optimizer, then the engine (GOAT's prior
-    computing in fp32 under bf16; the engine's gradient hooks on the summed parameters held for the sum).
+def parallelize(model: GPT, cfg: Config, grad_accum: int):
+    """Returns the engine (``goat_dist.engine.Engine``) wrapping ``model`` (a ``model.GPT``, which it
+    moves to the right device): the model set up to run in its layout (``parallel.sp``'s scatter,
+    ``parallel.cp``'s split, ``train.activation_checkpointing``, ``model.compile``), the TP gradient sum
+    registered, then the optimizer, then the engine (GOAT's prior computing in fp32 under bf16; the
+    engine's gradient hooks on the summed parameters held for the sum).
 
     ``model`` may have been built already partitioned (ZeRO-3, ``engine.construct.partition_as_built``):
     its parameters are then placeholders, so the optimizer's groups read their shapes as the model
     defines them, and the engine takes the partitions as they are."""
+    model_parallel.apply(
+        model,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        compile=model_parallel.resolve_compile(cfg.model.compile),
+    )
     tp_sum = add_tp_grad_allreduce(model)
     optimizer, scheduler = build_optimizer(model, cfg.train, shape_of=full_shape)
     return build_engine(
         model,
+        model.layout,
         cfg,
         grad_accum,
         optimizer=optimizer,
@@ -119,9 +134,10 @@ class TPGradSum:
             self.held.run(i)
 
 
-def add_tp_grad_allreduce(model: nn.Module) -> TPGradSum | None:
-    """The TP sum of the partial gradients (``TPGradSum``), or None at TP=1 or without such parameters."""
+def add_tp_grad_allreduce(model: GPT) -> TPGradSum | None:
+    """The TP sum of the partial gradients (``TPGradSum``) over the model's TP group, or None at TP=1 or
+    without such parameters."""
     params = tp_partial_grad_params(model)
-    if parallel_state.get_tensor_model_parallel_world_size() == 1 or not params:
+    if model.layout.tp == 1 or not params:
         return None
-    return TPGradSum(params, parallel_state.get_tensor_model_parallel_group())
+    return TPGradSum(params, model.tp_group)

@@ -2,12 +2,13 @@
 one CPU box, without allocating a weight.
 
 How: torch.distributed's ``fake`` backend (``torch.testing._internal.distributed.fake_pg``: collectives
-return at once) gives this process any rank of a world of any size; megatron-core's ``parallel_state``
-builds its TP/DP groups on it exactly as in a real run, and ``model.GPT`` is constructed under
-``torch.device("meta")`` (shapes and dtypes, no storage). Ranks of one TP rank hold the same shapes, so the
-model is built once per TP rank (as rank ``tp_rank`` of DP rank 0) and the ZeRO partitions of every DP
-rank follow DeepSpeed's partitioning (``plan.memory``). The optimizer is the trainer's own (``optim``'s
-parameter groups, torch AdamW), stepped once on meta gradients so that its state exists.
+return at once) gives this process any rank of a world of any size; ``distributed.init_fake`` builds
+megatron-core's TP/DP groups on it exactly as in a real run and returns that rank's ``Layout``, for which
+``model.GPT`` is constructed under ``torch.device("meta")`` (shapes and dtypes, no storage). Ranks of one
+TP rank hold the same shapes, so the model is built once per TP rank (as rank ``tp_rank`` of DP rank 0)
+and the ZeRO partitions of every DP rank follow DeepSpeed's partitioning (``plan.memory``). The optimizer
+is the trainer's own (``optim``'s parameter groups, torch AdamW), stepped once on meta gradients so that
+its state exists.
 
 Checked against the planner: every parameter's name and local shape (``shapes.param_inventory``),
 the per-rank count, and the Adam moments the optimizer really created.
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from .. import distributed
 from ..config import Config
 from ..distributed import LayoutError, check_layout
 from .hardware import GIB
@@ -30,46 +32,24 @@ class DryRunError(RuntimeError):
     """The built model differs from the planner's inventory (a planner bug): the message names it."""
 
 
-def _init_fake_world(rank: int, world: int, tp: int) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    # megatron's extra gloo groups cannot be created on a fake world (and are not needed to build)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-
-
-def _teardown() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def build_rank(cfg: Config, rank: int, world: int):
-    """(model, optimizer) of global ``rank`` on the meta device; the optimizer's state created."""
-    from megatron.core import parallel_state
-
+    """(model, optimizer) of global ``rank`` on the meta device, built for that rank's layout in a fake
+    world (``distributed.init_fake``); the optimizer's state created."""
     from ..model import GPT
     from ..optim import build_optimizer
 
-    _init_fake_world(rank, world, cfg.parallel.tp)
+    layout = distributed.init_fake(rank, world, cfg.parallel.tp)
     try:
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp = parallel_state.get_data_parallel_world_size()
         with torch.device("meta"):
-            model = GPT(cfg.model, sequence_parallel=cfg.parallel.sp,
-                        activation_checkpointing=cfg.train.activation_checkpointing)  # fmt: skip
+            model = GPT(cfg.model, layout, sequence_parallel=cfg.parallel.sp)  # shapes only: no checkpointing
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
         optimizer, _ = build_optimizer(model, cfg.train)
         optimizer.step()  # creates exp_avg / exp_avg_sq (meta) and the step counters
     finally:
-        _teardown()
-    return model, optimizer, {"rank": rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "dp": dp}
+        distributed.teardown_fake()
+    where = {"rank": rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "dp": layout.dp}
+    return model, optimizer, where
 
 
 def _check_against_inventory(cfg: Config, model) -> int:

@@ -2,7 +2,8 @@
 (per ZeRO stage, as the engine stores them) and activations (per micro-batch, as this model saves them).
 
 Every term is documented, with its derivation, in ``docs/planner.md``; the parameter inventory is checked
-name by name against the real model (``goat-dist plan --materialize``, ``tests/integration/test_plan*.py``)
+name by name against the real model (``goat-dist plan --materialize``,
+``tests/integration/plan/test_plan*.py``)
 and the byte counts against real engines and saved-tensor hooks on CPU.
 """
 

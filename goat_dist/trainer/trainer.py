@@ -24,7 +24,7 @@ from ..data.batches import data_sources, train_loader, val_loader
 from ..engine.construct import partition_as_built
 from ..model import GPT
 from ..parallel.parallelize import parallelize
-from ..precision import autocast_context, resolve_precision
+from ..precision import autocast_context
 from ..rampup import batch_at, ramp_sizes
 from . import nonfinite, unreadable
 from .callbacks import (
@@ -43,6 +43,7 @@ from .callbacks import (
 )
 from .control import StepControl, agree, batch_fingerprint
 from .deadline import Deadline
+from .resolve import resolve_run_config
 from .signals import HANG_FRACTION, StopSignals
 from .state import LoopState, RunState
 
@@ -73,7 +74,6 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         self.layout = distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=cfg.run_dir)
-        cfg.train.precision = resolve_precision(cfg.train.precision, self.layout.device)
         m = cfg.model
         distributed.check_layout(
             self.layout.world,
@@ -101,16 +101,19 @@ class Trainer:
         self.init_source = None
         if self._start is None and cfg.train.init_from:
             self.init_source = extension.agree_on_source(cfg.train.init_from)
-        extension.resolve_train_len(cfg, self._start or self.init_source, log)
-        extension.resolve_key_bias_lanes(cfg, self._start, self.init_source, log)  # after the precision
+        # every derived value fixed now, the config read-only from here on (trainer/resolve.py)
+        self.cfg, kept = resolve_run_config(cfg, self.layout.device, self._start, self.init_source, log)
+        if kept:
+            log(f"data.window_order={kept}: the order this run's data stream began with (kept by the resume)")
         seed_everything(cfg.train.seed)  # same seed on every rank: identical initial weights
         self.model = GPT(
             m,
+            self.layout,
             sequence_parallel=cfg.parallel.sp,
-            activation_checkpointing=cfg.train.activation_checkpointing,
-            built=partition_as_built(cfg, self.grad_accum),  # ZeRO-3: partitioned part by part
+            built=partition_as_built(cfg, self.grad_accum, self.layout),  # ZeRO-3: partitioned as built
             documents=cfg.data.document_masking,  # else no host sync to look for documents
         )
+        # SP, CP, activation checkpointing, compilation, the TP gradient sum, then the engine
         self.engine = parallelize(self.model, cfg, self.grad_accum)
         self.autocast = autocast_context(cfg, self.layout.device)
         self.sources = data_sources(cfg, self.layout, log=log)
@@ -118,8 +121,7 @@ class Trainer:
         self.contract = data_contract.data_contract(cfg, self.sources)
         self.saved_callbacks: dict = {}  # the callbacks' states in the checkpoint resumed from
         self.resumed_from = self._resume()
-        # after the resume, which may keep the stream's recorded window order: config.yaml is the config
-        # this run runs with, resolved (precision, train_len, GOAT's lanes, the window order)
+        # config.yaml (written with the loggers) is the resolved, read-only config the run runs with
         given = callbacks if callbacks is not None else self._default_loggers()
         self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
         self.loop = LoopState(first_step=self.state.step)
@@ -161,11 +163,6 @@ class Trainer:
         self.checkpoints.begin(path, saved["step"])
         self.state.load_state_dict(saved["run_state"])
         self.saved_callbacks = saved.get("callbacks") or {}  # none before callbacks had state: fresh
-        kept = data_contract.keep_window_order(saved.get("data_contract"), self.cfg, self.contract)
-        if kept and self.layout.is_main:
-            print(
-                f"data.window_order={kept}: the order this run's data stream began with (kept by the resume)"
-            )
         restart = data_contract.check(
             saved.get("data_contract"), self.contract, self.cfg.train.data_resume, str(path)
         )

@@ -53,6 +53,7 @@ def grads(out: Path, tp: int, cp: int) -> None:
     from tp_grads import full_gradient, tiny_batch, tiny_config
 
     from goat_dist.model import GPT
+    from goat_dist.parallel import model_parallel
     from goat_dist.parallel.parallelize import add_tp_grad_allreduce
 
     relayout(tp, cp)
@@ -64,7 +65,7 @@ def grads(out: Path, tp: int, cp: int) -> None:
         standin = FlashStandin(allow_fp32=True)
         with installed(standin):
             torch.manual_seed(0)
-            model = GPT(cfg, sequence_parallel=tp > 1)
+            model = model_parallel.apply(GPT(cfg, sequence_parallel=tp > 1))
             add_tp_grad_allreduce(model)
             for batch_name, batch in (("plain", tiny_batch(cfg)), ("documents", document_batch(cfg))):
                 model.zero_grad()

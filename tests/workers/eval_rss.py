@@ -62,15 +62,15 @@ def main(out: Path, argv: list[str]) -> None:
     record: dict = {"rank": int(os.environ.get("RANK", "0"))}
     real_build, real_gpt = checkpoint.build_model, goat_dist.model.GPT
 
-    def build_model(cfg, read):
+    def build_model(cfg, read, layout):
         before = record["load_before"] = _reset_peak()
-        loaded = real_build(cfg, read)
+        loaded = real_build(cfg, read, layout)
         record["load_extra_bytes"] = _kib("VmHWM") * 1024 - before
         record["params"] = sum(p.numel() for p in loaded.model.parameters())
         return loaded
 
-    def gpt(cfg):  # the model as built, before its weights are read
-        model = real_gpt(cfg)
+    def gpt(cfg, *args, **kwargs):  # the model as built, before its weights are read
+        model = real_gpt(cfg, *args, **kwargs)
         record["built_bytes"] = _kib("VmHWM") * 1024 - record["load_before"]
         return model
 

@@ -88,7 +88,7 @@ def measure_case(overrides: list[str], layout) -> dict:
 
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
-    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
+    model = GPT(cfg.model, layout)  # parallelize applies train.activation_checkpointing
     accum = gradient_accumulation(cfg, layout.dp)
     engine = parallelize(model, cfg, accum)
     autocast = autocast_context(cfg, layout.device)

@@ -13,6 +13,7 @@ from goat_dist import distributed  # noqa: E402
 from goat_dist.checkpoint.universal import merge, split_meta  # noqa: E402
 from goat_dist.config import ModelConfig  # noqa: E402
 from goat_dist.model import GPT  # noqa: E402
+from goat_dist.parallel import model_parallel  # noqa: E402
 from goat_dist.parallel.parallelize import add_tp_grad_allreduce  # noqa: E402
 
 TP_ALL_REDUCES = "_tp_all_reduces"  # the saved count of the backward's TP-sum collectives
@@ -22,7 +23,7 @@ def main(out: str, tp: int, sp: bool, position: str) -> None:
     layout = distributed.init(tp=tp)
     cfg = tiny_config(position)
     torch.manual_seed(0)
-    model = GPT(cfg, sequence_parallel=sp)
+    model = model_parallel.apply(GPT(cfg, layout, sequence_parallel=sp))
     tp_sum = add_tp_grad_allreduce(model)
     tokens, positions, labels = tiny_batch(cfg)
     model(tokens, positions, labels).backward()

@@ -1,5 +1,6 @@
 """Student t and noncentral t in closed form (``math`` and ``numpy`` only): the study's tests and power
-need them, and scipy is not a runtime dependency. Tested against scipy (tests/unit/test_study_stats.py)."""
+need them, and scipy is not a runtime dependency. Tested against scipy
+(tests/unit/evaluation/test_study_stats.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import contextlib
 import math
 
 import torch
-from megatron.core import parallel_state
 
 from ... import collectives
 from .base import Callback
@@ -47,8 +46,7 @@ class Evaluation(Callback):
             for i in range(n):
                 with probe if (probe and i == 0) else contextlib.nullcontext():
                     total += api.loss(next(it)).float()
-            # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP
-            replicas = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            collectives.all_reduce(total, group=replicas)
+            # CP ranks' losses average to their rows' mean (model.gpt): reduce over DP x CP (the replicas)
+            collectives.all_reduce(total, group=api.layout.replica_group)
             self.attention_stats = probe.result() if probe else None  # collective over TP
         return total.item() / (n * api.layout.replicas)

@@ -156,11 +156,11 @@ def test_evaluation_windows_are_framed_like_training(one_shard, monkeypatch):
         return torch.zeros(tokens.shape) * (labels != IGNORE_INDEX)
 
     monkeypatch.setattr(perplexity, "token_losses", losses)
-    monkeypatch.setattr(perplexity.parallel_state, "get_data_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(perplexity.parallel_state, "get_data_parallel_rank", lambda: 0)
-    monkeypatch.setattr(perplexity.parallel_state, "get_data_parallel_group", lambda: None)
     monkeypatch.setattr(perplexity.collectives, "all_reduce", lambda t, group=None: t)
-    model = SimpleNamespace(cfg=SimpleNamespace(position="goat", seq_len=L))
+    model = SimpleNamespace(
+        cfg=SimpleNamespace(position="goat", seq_len=L),
+        layout=SimpleNamespace(dp=1, dp_rank=0, dp_group=None),
+    )
     cpu = torch.device("cpu")
     result = perplexity.perplexity_at(
         model, str(one_shard), "train", L, 3 * L, 2 * L, cpu, contextlib.nullcontext, L, bos_framing=True

@@ -11,6 +11,7 @@ import torch
 from harness.multiproc import one_layer_config
 from torch import nn
 
+from goat_dist import distributed
 from goat_dist.engine import masters, patches, sizes, steps, zero3
 from goat_dist.engine.build import HeldGradHooks, build_engine
 from goat_dist.engine.facade import Engine
@@ -52,6 +53,7 @@ def build_facade(stage: int, precision: str = "fp32", fp32: bool = False, held=N
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     engine = build_engine(
         model,
+        distributed.current_layout(),
         cfg,
         accum,
         optimizer=opt,
@@ -347,7 +349,11 @@ def test_fp32_accumulation_is_refused_at_zero0_and_swaps_zero1s_optimizer(world1
         model = Tiny()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return deepspeed.initialize(
-            model=model, optimizer=opt, config=config, mpu=MegatronMPU(), dist_init_required=False
+            model=model,
+            optimizer=opt,
+            config=config,
+            mpu=MegatronMPU(distributed.current_layout()),
+            dist_init_required=False,
         )[0]
 
     with pytest.raises(NotImplementedError, match="unsupported mix"):

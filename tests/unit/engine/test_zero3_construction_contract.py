@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from harness.multiproc import in_process_config, one_layer_config
 
+from goat_dist import distributed
 from goat_dist.engine.construct import partition_as_built
 from goat_dist.engine.zero3 import full_shape, is_partitioned, partition_values
 from goat_dist.model import GPT
@@ -19,14 +20,15 @@ def _built(*overrides: str):
     cfg = one_layer_config("parallel.zero_stage=3", *overrides)
     torch.manual_seed(0)
     whole = {n: p.detach().clone() for n, p in GPT(cfg.model).named_parameters()}
-    hook = partition_as_built(cfg, grad_accum=1)
+    hook = partition_as_built(cfg, grad_accum=1, layout=distributed.current_layout())
     torch.manual_seed(0)
     return cfg, GPT(cfg.model, built=hook), whole, hook
 
 
 def test_only_zero3_builds_partitioned():
-    assert partition_as_built(one_layer_config("parallel.zero_stage=2"), 1) is None
-    assert partition_as_built(one_layer_config("parallel.zero_stage=3"), 1) is not None
+    layout = distributed.Layout(1, 0, 0, 1, 1, 0, 0, torch.device("cpu"))  # sizes only: no groups used
+    assert partition_as_built(one_layer_config("parallel.zero_stage=2"), 1, layout) is None
+    assert partition_as_built(one_layer_config("parallel.zero_stage=3"), 1, layout) is not None
 
 
 def test_init_on_a_built_part_partitions_it_in_the_given_dtype(world1):

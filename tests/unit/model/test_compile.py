@@ -18,7 +18,9 @@ from goat_dist.config import ConfigError, ModelConfig, load_config
 from goat_dist.goat import GoatPrior
 from goat_dist.goat.exact import SPLIT_PARTS
 from goat_dist.model import GPT
-from goat_dist.model.compile import OPTIONS, resolve_compile
+from goat_dist.model.compile import OPTIONS
+from goat_dist.parallel import model_parallel
+from goat_dist.parallel.model_parallel import resolve_compile
 
 STEPS = 20
 RTOL = 1e-5
@@ -45,7 +47,8 @@ def batches(documents: bool):
 
 def train(cfg: ModelConfig, compile: bool, documents: bool, checkpointing: str = "none") -> list[float]:
     torch.manual_seed(0)
-    model = GPT(cfg, documents=documents, compile=compile, activation_checkpointing=checkpointing)
+    model = GPT(cfg, documents=documents)
+    model_parallel.apply(model, compile=compile, activation_checkpointing=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for tokens, positions, labels in batches(documents):
@@ -134,7 +137,7 @@ def test_evaluation_runs_eagerly(world1):
     """Only training forwards are compiled: evaluation shapes (lengths, batches, probes) compile nothing."""
     torch._dynamo.reset()
     counters.clear()
-    model = GPT(tiny("goat"), compile=True).eval()
+    model = model_parallel.apply(GPT(tiny("goat")), compile=True).eval()
     with torch.no_grad():
         for length in (8, 16, 24):
             model(torch.randint(0, 256, (1, length)), torch.arange(length)[None])

@@ -1,7 +1,8 @@
 """Promises the package docstrings make about what importing or running a module touches:
 ``goat_dist.engine`` and ``goat_dist.shapes`` load lightly (a subprocess looks at ``sys.modules``), the
-model's forward reads no global process state (its megatron ``parallel_state`` handle is swapped for one
-that fails on any use, after construction), and no object outside ``goat_dist.engine`` holds DeepSpeed's
+model's forward reads no global process state (every group, size and rank in megatron's ``parallel_state``
+registry is swapped for a tripwire after construction), and no object outside ``goat_dist.engine`` holds
+DeepSpeed's
 engine (the trainer, its callbacks' API, its callbacks and checkpoint manager after a one-step run)."""
 
 from __future__ import annotations
@@ -30,25 +31,54 @@ def test_shapes_and_config_import_without_torch():
     assert "torch" not in loaded and "megatron" not in loaded
 
 
-class _NoProcessState:
-    def __getattr__(self, name):
-        raise AssertionError(f"forward read parallel_state.{name}")
+class _Tripwire:
+    """Stands for a value of megatron's process-global registry: any use of it fails the test."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _fail(self, *args, **kwargs):
+        raise AssertionError(f"the forward read megatron's parallel_state.{self.name}")
+
+    __getattr__ = __call__ = __int__ = __index__ = __bool__ = __iter__ = __len__ = __eq__ = __hash__ = _fail
+
+
+def registry_tripped(monkeypatch) -> list[str]:
+    """Replace every process group, size and rank megatron's ``parallel_state`` holds (its module globals
+    ``_TENSOR_MODEL_PARALLEL_GROUP``, ``_MPU_*`` ... ) with tripwires: megatron's own getters, which its
+    layers, mappings and cross-entropy call when not handed a group, then fail on the first use."""
+    from megatron.core import parallel_state
+
+    names = [n for n in vars(parallel_state) if n.startswith("_") and n[1:2].isupper() and n.isupper()]
+    for name in names:
+        monkeypatch.setattr(parallel_state, name, _Tripwire(name))
+    return names
 
 
 @pytest.mark.parametrize("position", ["goat", "rope", "alibi", "none"])
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_the_forward_reads_no_process_state(world1, monkeypatch, position, checkpointing):
+    """Built for its layout and set up by ``parallel.model_parallel.apply``, the model runs a training
+    forward and backward with megatron's registry and goat-dist's own names for it gone."""
+    from megatron.core import parallel_state, tensor_parallel
+
     from goat_dist.model import GPT, attention, gpt
+    from goat_dist.parallel import model_parallel
 
     cfg = one_layer_config(f"model.position={position}")
-    model = GPT(cfg.model, activation_checkpointing=checkpointing).train()
+    model = model_parallel.apply(GPT(cfg.model, world1), activation_checkpointing=checkpointing).train()
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 17))
     positions = torch.arange(16).expand(2, -1)
-    monkeypatch.setattr(gpt, "parallel_state", _NoProcessState())
-    monkeypatch.setattr(attention, "parallel_state", _NoProcessState())
+    names = registry_tripped(monkeypatch)
+    assert "_TENSOR_MODEL_PARALLEL_GROUP" in names and "_DATA_PARALLEL_GROUP" in names
+    with pytest.raises(AssertionError, match="parallel_state"):  # the tripwires work
+        tensor_parallel.gather_from_tensor_model_parallel_region(torch.ones(1))
+    for module in (gpt, attention):
+        assert not hasattr(module, "parallel_state")
     loss = model(tokens[:, :-1], positions, tokens[:, 1:])
     loss.backward()
     assert torch.isfinite(loss)
+    assert parallel_state._TENSOR_MODEL_PARALLEL_GROUP is not world1.tp_group  # swapped during the run
 
 
 def _held(obj, path: str, depth: int = 0, seen: set | None = None):
