@@ -125,3 +125,19 @@ def records(run_dir: Path) -> list[dict]:
 def per_step(run_dir: Path) -> dict[int, tuple[float, int]]:
     """step -> (loss, data fingerprint); a resumed run's later records win."""
     return {r["step"]: (r["loss"], r["data_fingerprint"]) for r in records(run_dir) if "loss" in r}
+
+
+def assert_config_is_the_runs(run_dir: Path) -> dict:
+    """The run dir's config.yaml is the config the run ran with, resolved: the same as the one its last
+    checkpoint recorded (written from the run's config at the save), with every derived value concrete
+    (the precision, GOAT's L_train and key lanes, the window order). Returns it."""
+    import yaml
+
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    saved = yaml.safe_load((run_dir / "checkpoints" / latest / "config.yaml").read_text())
+    assert written == saved, f"{run_dir}/config.yaml differs from {latest}/config.yaml"
+    assert written["train"]["precision"] in ("fp32", "bf16"), written["train"]["precision"]
+    goat = written["model"]["goat"]
+    assert isinstance(goat["train_len"], int) and isinstance(goat["key_bias_lanes"], int), goat
+    return written

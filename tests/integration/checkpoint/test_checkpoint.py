@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 from harness.faults import fault_env, fault_override
-from harness.multiproc import ROOT, clean_env, goat_train_command, launch_command, per_step, records, tiny
+from harness.multiproc import (
+    ROOT,
+    assert_config_is_the_runs,
+    clean_env,
+    goat_train_command,
+    launch_command,
+    per_step,
+    records,
+    tiny,
+)
 from harness.multiproc import run as run_cmd
 
 from goat_dist.checkpoint.universal import read_full
@@ -83,6 +92,7 @@ def test_sigkill_then_exact_resume(nproc, layout, precision, tmp_path, builtin_c
         )
     lrs = {r["step"]: r["lr"] for r in records(resumed) if "lr" in r}
     assert lrs == {r["step"]: r["lr"] for r in records(full) if "lr" in r}
+    assert assert_config_is_the_runs(resumed)["train"]["precision"] == precision
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, builtin_cache):
@@ -176,6 +186,7 @@ def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builti
     after = tmp_path / "after"
     out = run(n_new, [*common, *new, f"train.resume={before}/checkpoints/step_00000010", f"run.dir={after}"])
     assert "resumed from" in out.stdout
+    assert_config_is_the_runs(after)
     expected, got = per_step(before), per_step(after)
     for step in (11, 12):
         assert abs(got[step][0] - expected[step][0]) <= 1e-4 * expected[step][0], f"{name} step {step}"

@@ -71,3 +71,43 @@ def test_a_bare_yaml_timestamp_is_a_string_key():
     cfg = load_config(None, ["train.stop_at=2027-01-15T08:00:00Z"])
     assert isinstance(cfg.train.stop_at, str)
     assert parse_time(cfg.train.stop_at) == parse_time("2027-01-15T08:00:00+00:00")
+
+
+def test_a_resolved_config_is_read_only():
+    """``Config.frozen``: every section refuses a change, naming it; a copy made with
+    ``dataclasses.replace`` is a new, writable config; the dict is unchanged."""
+    import dataclasses
+
+    cfg = load_config(None, ["train.max_steps=7"])
+    before = cfg.to_dict()
+    assert cfg.frozen() is cfg
+    for section, key, value in (
+        (cfg.train, "max_steps", 8),
+        (cfg.model.goat, "train_len", 64),
+        (cfg.data, "window_order", "keyed"),
+    ):
+        with pytest.raises(ConfigError, match=f"{type(section).__name__}.{key}: the run's config"):
+            setattr(section, key, value)
+    with pytest.raises(ConfigError):
+        cfg.model = cfg.model
+    assert cfg.to_dict() == before
+    copy = dataclasses.replace(cfg.train, max_steps=9)
+    copy.lr = 1.0
+    assert copy.max_steps == 9 and cfg.train.max_steps == 7
+
+
+def test_the_trainers_config_is_resolved_and_read_only(world1, builtin_cache, tmp_path):
+    """The trainer resolves its config before it writes anything (trainer/resolve.py): config.yaml holds
+    concrete values and equals the config the run holds, which no part of the run can change."""
+    import yaml
+    from harness.multiproc import in_process_config
+
+    from goat_dist.trainer.trainer import Trainer
+
+    trainer = Trainer(in_process_config(builtin_cache, tmp_path / "run", "train.max_steps=1"))
+    cfg = trainer.cfg
+    assert cfg.train.precision == "fp32" and cfg.model.goat.train_len == cfg.model.seq_len
+    assert isinstance(cfg.model.goat.key_bias_lanes, int)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == cfg.to_dict()
+    with pytest.raises(ConfigError):
+        cfg.train.max_steps = 2
