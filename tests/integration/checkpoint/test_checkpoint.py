@@ -238,6 +238,7 @@ def test_bf16_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, b
             f"{name} step {step}: {got[step][0]} vs {expected[step][0]} ({rel:.1e})"
         )
     assert (after / "checkpoints" / "latest").read_text() == "step_00000010"  # the final save works
+    assert assert_config_is_the_runs(after)["train"]["precision"] == "bf16"
 
 
 def test_rerun_with_resume_never_publishes_its_own_final_checkpoint(tmp_path, builtin_cache):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.multiproc import ROOT, TINY, launch_command, per_step, records
+from harness.multiproc import ROOT, TINY, assert_config_is_the_runs, launch_command, per_step, records
 from harness.multiproc import run as run_cmd
 
 pytestmark = pytest.mark.slow
@@ -141,6 +141,7 @@ def test_cp2_checkpoint_resumes_on_one_process(world1, builtin_cache, references
     assert (step5 / "universal" / "meta.json").is_file()
     got = train_here(builtin_cache, tmp_path / "resumed", f"train.resume={step5}")
     assert sorted(got) == list(range(6, 11))
+    assert assert_config_is_the_runs(tmp_path / "resumed")["parallel"]["cp"] == 1
     for step, (loss, fingerprint) in got.items():
         ref, ref_fingerprint = references["plain"][step]
         assert fingerprint == ref_fingerprint, f"step {step}"
