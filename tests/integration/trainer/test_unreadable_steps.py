@@ -167,9 +167,12 @@ def test_the_run_of_unreadable_steps_counts_across_a_resume(world1, corrupt_data
 
     root, _ = corrupt_data
     run_dir = tmp_path / "run"
-    first, _ = trainer_with(config(root, run_dir, "train.max_nonfinite_in_row=3"))
-    stop = first_run_longer_than(unreadable_steps(first), 3)
-    first.cfg.train.max_steps = stop - 2  # two of the run's steps done
+    probe, _ = trainer_with(config(root, tmp_path / "probe", "train.max_nonfinite_in_row=3"))
+    stop = first_run_longer_than(unreadable_steps(probe), 3)
+    # a run that ends two steps into the run of unreadable steps (the config is read-only once resolved)
+    first, _ = trainer_with(
+        config(root, run_dir, "train.max_nonfinite_in_row=3", f"train.max_steps={stop - 2}")
+    )
     first.fit()
     assert (run_dir / "checkpoints" / "latest").is_file() and first.state.unreadable_in_row == 2
 
