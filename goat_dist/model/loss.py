@@ -9,8 +9,9 @@ state. No label smoothing (goat-dist trains without it).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+from .. import collectives
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -20,15 +21,15 @@ class _CrossEntropy(torch.autograd.Function):
         logits, logits_max = steps.calculate_logits_max(logits)
         tp = 1 if group is None else group.size()
         if tp > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(logits_max, "max", group=group)
         local = logits.size(-1)
         first = (0 if group is None else group.rank()) * local
         target_mask, masked_target, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
             logits, target, logits_max, first, first + local
         )
         if tp > 1:
-            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+            collectives.all_reduce(predicted, group=group)
+            collectives.all_reduce(sum_exp, group=group)
         softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         ctx.save_for_backward(softmax, target_mask, masked_target)
         return loss

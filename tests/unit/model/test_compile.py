@@ -112,7 +112,7 @@ def test_communicating_parallel_layers_run_eagerly(world1):
 
     def train3(compile: bool) -> list[float]:
         torch.manual_seed(0)
-        model = communicating(GPT(tiny("goat"), documents=False, compile=compile))
+        model = communicating(model_parallel.apply(GPT(tiny("goat"), documents=False), compile=compile))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for tokens, positions, labels in list(batches(False))[:3]:
