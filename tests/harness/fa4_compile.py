@@ -139,6 +139,7 @@ def _layer(shape: ModelShape):
     import torch
     from megatron.core.model_parallel_config import ModelParallelConfig
 
+    from goat_dist import distributed
     from goat_dist.config import GoatConfig, ModelConfig
     from goat_dist.model.attention import ParallelSelfAttention
 
@@ -155,7 +156,8 @@ def _layer(shape: ModelShape):
     )
     mp = ModelParallelConfig(tensor_model_parallel_size=1, use_cpu_initialization=True,
                              perform_initialization=False, params_dtype=torch.bfloat16)  # fmt: skip
-    attn = ParallelSelfAttention(cfg, mp, lambda w: None, lambda w: None)
+    tp_group = distributed.current_layout().tp_group
+    attn = ParallelSelfAttention(cfg, mp, lambda w: None, lambda w: None, tp_group)
     attn.backend = "flash4"
     return attn
 
@@ -299,7 +301,7 @@ def compile_all(arch: str, only: str | None = None) -> dict:
     from goat_dist import distributed
     from goat_dist.kernels import backend, flash_imports
 
-    distributed.init(tp=1)  # the model's layers ask megatron for their TP group
+    distributed.init(tp=1)  # the model's layers are built on its TP group (current_layout)
     torch.manual_seed(0)
     start = time.perf_counter()
     iface = CompilingInterface()
