@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from harness.multiproc import in_process_config
 
 from goat_dist.trainer.callbacks import Callback, DataPosition, TrainerAPI
@@ -85,6 +86,9 @@ def test_a_stateful_callbacks_state_survives_a_resume(world1, builtin_cache, tmp
     resumed.fit()
     assert again.first_event_seen == [1, 2]  # restored before its first event
     assert again.seen == [1, 2, 3, 4] and again.samples == [4, 8, 12, 16]
+    # what the resumed run saved as its config is the resolved config it ran with
+    saved_config = yaml.safe_load((tmp_path / "checkpoints/step_00000004/config.yaml").read_text())
+    assert saved_config == resumed.cfg.to_dict() and resumed.cfg.train.precision == "fp32"
 
 
 def test_a_checkpoint_without_callback_state_leaves_callbacks_fresh(world1, builtin_cache, tmp_path):
