@@ -7,6 +7,7 @@ masters equal to the partitions), GOAT's prior computing from its fp32 masters a
 from __future__ import annotations
 
 import torch
+import yaml
 from harness.multiproc import in_process_config, one_layer_config
 
 from goat_dist import distributed
@@ -90,3 +91,7 @@ def test_init_from_and_resume_start_a_model_built_partitioned(world1, builtin_ca
     with gathered(resumed.model):
         for name, p in resumed.model.named_parameters():
             assert torch.equal(p.detach(), saved[name][""]), name
+    # the resumed run's config.yaml is its resolved config (L_train from the run it started from)
+    written = yaml.safe_load((second / "config.yaml").read_text())
+    assert written == resumed.cfg.to_dict()
+    assert written["model"]["goat"]["train_len"] == resumed.cfg.model.seq_len
