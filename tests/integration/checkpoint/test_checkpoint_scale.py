@@ -15,7 +15,15 @@ import pytest
 import torch
 import yaml
 from harness.faults import fault_env, fault_override
-from harness.multiproc import ROOT, clean_env, goat_train_command, in_process_config, launch_command, per_step
+from harness.multiproc import (
+    ROOT,
+    assert_config_is_the_runs,
+    clean_env,
+    goat_train_command,
+    in_process_config,
+    launch_command,
+    per_step,
+)
 from harness.multiproc import run as run_cmd
 from safetensors.torch import load_file
 
@@ -455,6 +463,7 @@ def test_async_checkpoints_equal_sync_ones_and_resume_the_same(world1, builtin_c
 
     start = async_run / "checkpoints" / "step_00000002"
     Trainer(in_process_config(builtin_cache, resumed, *ASYNC_RUN, f"train.resume={start}")).fit()
+    assert_config_is_the_runs(resumed)
     expected, got = per_step(sync_run), per_step(resumed)
     assert min(got) == 3
     for step in (3, 4):
