@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from harness.multiproc import goat_train_command, per_step
+from harness.multiproc import assert_config_is_the_runs, goat_train_command, per_step
 from harness.multiproc import run as run_cmd
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -271,3 +271,4 @@ def test_llama_style_dataset_trains_and_resumes(llama_dataset, tmp_path):
     again = run_cmd(goat_train_command(1, [*common, "train.max_steps=6"]))
     assert "resumed from" in again.stdout and "step 4" in again.stdout
     assert sorted(per_step(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert assert_config_is_the_runs(run_dir)["model"]["vocab_size"] == saved["model"]["vocab_size"]
