@@ -4,7 +4,7 @@ change is not a contract change."""
 from __future__ import annotations
 
 import pytest
-from harness.multiproc import goat_train_command, per_step, records, run
+from harness.multiproc import assert_config_is_the_runs, goat_train_command, per_step, records, run
 
 from goat_dist.data.contract import DataContractError, check, differences
 
@@ -90,6 +90,7 @@ def test_resume_refuses_restarts_and_ignores_layout(tmp_path, builtin_cache):
     assert "data stream restarted" not in out.stdout
     run(goat_train_command(1, [*common, "train.max_steps=4", "data.shuffle_buffer=16", f"run.dir={fresh}"]))
     assert [per_step(restarted)[s][1] for s in (7, 8)] == [per_step(fresh)[s][1] for s in (3, 4)]
+    assert assert_config_is_the_runs(restarted)["data"]["shuffle_buffer"] == 16
 
     # another layout (DP=2, ZeRO-2) is not a contract change
     other = tmp_path / "other"
@@ -107,3 +108,4 @@ def test_resume_refuses_restarts_and_ignores_layout(tmp_path, builtin_cache):
     )
     assert "resumed from" in out.stdout and "data stream restarted" not in out.stdout
     assert [per_step(other)[s][1] for s in (5, 6)] == [per_step(first)[s][1] for s in (5, 6)]
+    assert assert_config_is_the_runs(other)["parallel"]["zero_stage"] == 2
