@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness.faults import fault_env, fault_override
-from harness.multiproc import ROOT, TINY, clean_env, per_step, records
+from harness.multiproc import ROOT, TINY, assert_config_is_the_runs, clean_env, per_step, records
 from harness.slurm_harness import SlurmCluster, unavailable
 
 pytestmark = pytest.mark.slow
@@ -196,6 +196,7 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, jobdir, bu
     assert "FA4 kernel cache: " in text and "kernel cache is off" not in text
     print(f"\nstop: srun exit code {first['step_exit_code']}, record exit code {first['exit_code']}")
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    assert_config_is_the_runs(run_dir)  # the requeued attempt's config.yaml: the config it ran with
 
     plain_job, plain_log, plain_dir = plain
     done(cluster, plain_job, plain_log)
