@@ -7,36 +7,34 @@ job script can requeue, and rank 0 exits with it (the other ranks exit 0: ``entr
 A second SIGINT aborts at once (``EXIT_ABORTED``).
 
 Hangs: while installed, every thread's Python stack goes to stderr when one step runs longer than
-``hang_after_s`` (a watchdog re-armed at every step start, ``faulthandler.dump_traceback_later``), and on
-SIGUSR2 at any time (``scancel --signal=USR2 <job>``, ``kill -USR2 <pid>``). A rank waiting in a
-collective dumps its stacks before the collective's timeout (``parallel.timeout_minutes``) ends the job.
+``hang_after_s`` (a watchdog re-armed at every step start), and on SIGUSR2 at any time (``scancel
+--signal=USR2 <job>``, ``kill -USR2 <pid>``); ``trainer/stacks.py`` prints them without risking the run. A
+rank waiting in a collective prints its stacks before the collective's timeout (``parallel.timeout_minutes``)
+ends the job.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import signal
+
+from goat_dist.trainer.stacks import StackWatch
 
 EXIT_CHECKPOINTED = 75  # EX_TEMPFAIL: "try again", the run can continue from its latest checkpoint
 EXIT_ABORTED = 130  # 128 + SIGINT, as a shell reports it: a second Ctrl-C, no checkpoint of that step
 _NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
-
-
-HANG_SIGNAL = signal.SIGUSR2  # dump every thread's stack (faulthandler), the run goes on
 HANG_FRACTION = 0.9  # of the collective timeout: the stacks come out before the timeout's error
-STDERR_FD = 2  # the process's stderr, whatever a test harness put in sys.stderr
 
 
 class StopSignals:
     def __init__(self, hang_after_s: float | None = None):
         self.received: str | None = None
-        self.hang_after_s = hang_after_s
+        self.stacks = StackWatch(hang_after_s)
         self._previous = {}
 
     def install(self) -> StopSignals:
         for sig in _NAMES:
             self._previous[sig] = signal.signal(sig, self._handle)
-        faulthandler.register(HANG_SIGNAL, file=STDERR_FD, all_threads=True)
+        self.stacks.start()
         return self
 
     def __enter__(self) -> StopSignals:
@@ -47,12 +45,10 @@ class StopSignals:
 
     def step_started(self) -> None:
         """Re-arm the hang watchdog: stacks to stderr unless the next step starts within hang_after_s."""
-        if self.hang_after_s:
-            faulthandler.dump_traceback_later(self.hang_after_s, repeat=False, file=STDERR_FD)
+        self.stacks.arm()
 
     def uninstall(self) -> None:
-        faulthandler.cancel_dump_traceback_later()
-        faulthandler.unregister(HANG_SIGNAL)
+        self.stacks.stop()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
