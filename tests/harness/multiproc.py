@@ -102,6 +102,7 @@ __all__ = [
     "goat_train_command",
     "launch_command",
     "per_step",
+    "marked_line",
     "records",
     "run",
 ]
@@ -116,6 +117,17 @@ def run(
             f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def marked_line(argv: list[str], marker: str, timeout: int = 300) -> str:
+    """``python *argv`` in a clean environment (a worker script of ``tests/workers/`` or ``-c`` code): the
+    rest of the first stdout line that starts with ``marker``, or a failure showing both streams' tails."""
+    import sys
+
+    proc = run([sys.executable, *argv], expect=None, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(marker + " ")]
+    assert lines, f"no {marker} line (exit {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return lines[0][len(marker) + 1 :]
 
 
 def records(run_dir: Path) -> list[dict]:

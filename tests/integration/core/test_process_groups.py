@@ -5,12 +5,10 @@ torch's fake process group on a simulated CUDA machine (tests/workers/fake_world
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
-from harness.multiproc import ROOT, clean_env
+from harness.multiproc import ROOT, marked_line
 
 from goat_dist import distributed
 
@@ -18,17 +16,8 @@ from goat_dist import distributed
 @pytest.fixture(scope="module")
 def world512(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run512")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "workers" / "fake_world.py"), "512", "8", str(run_dir)],
-        env=clean_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = [x for x in proc.stdout.splitlines() if x.startswith("FAKE_WORLD ")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[0].split(" ", 1)[1]), run_dir
+    worker = str(ROOT / "tests" / "workers" / "fake_world.py")
+    return json.loads(marked_line([worker, "512", "8", str(run_dir)], "FAKE_WORLD")), run_dir
 
 
 def test_512_ranks_hold_at_most_one_gloo_group(world512):

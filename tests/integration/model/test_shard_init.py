@@ -5,26 +5,15 @@ in a fake world of 4 (tests/workers/fake_world.py init), ranks 1 and 3."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from harness.multiproc import ROOT, clean_env
+from harness.multiproc import ROOT, marked_line
 
 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_each_rank_draws_its_shard_of_the_tp1_weights(rank):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "workers" / "fake_world.py"), "init", "4", str(rank)],
-        env=clean_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = [x for x in proc.stdout.splitlines() if x.startswith("FAKE_WORLD ")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    info = json.loads(line[0].split(" ", 1)[1])
+    worker = str(ROOT / "tests" / "workers" / "fake_world.py")
+    info = json.loads(marked_line([worker, "init", "4", str(rank)], "FAKE_WORLD"))
     assert info["split"] >= 20 and info["differ"] == [], info  # every shard is its TP=1 slice
     # a rank draws its shard (plus the edges of blocks its shard cuts), not the whole model
     assert info["drawn"] < 1.5 * info["local"] < 0.5 * info["total"], info
