@@ -28,6 +28,19 @@ import traceback
 HANG_SIGNAL = signal.SIGUSR2  # print every thread's stack; the run goes on
 STDERR_FD = 2  # the process's stderr, whatever a test harness put in sys.stderr
 _WAKE = b"\0"  # a byte no signal number uses: the deadline moved, or stop
+_WATCHES: set[StackWatch] = set()  # the started ones, forgotten in a forked child
+
+
+def _ignore(signum, frame) -> None:
+    """SIGUSR2's Python-level handler while the watch thread prints: nothing to do in the main thread."""
+
+
+def _forget_watches_in_child() -> None:
+    for watch in list(_WATCHES):
+        watch._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_watches_in_child)
 
 
 def format_stacks(skip: int | None = None) -> str:
@@ -73,6 +86,10 @@ class StackWatch:
         self._previous_wakeup = -1
 
     def start(self) -> StackWatch:
+        if self._pipe is not None:
+            return self  # started already
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StackWatch.start() must run in the main thread (signal handlers live there)")
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C signal handler must never block
         self._pipe = (read_fd, write_fd)
@@ -81,7 +98,11 @@ class StackWatch:
             signal.set_wakeup_fd(self._previous_wakeup)
             self._previous_handler = signal.signal(HANG_SIGNAL, self._print_from_main)
         else:  # the C handler wakes the thread; the Python-level handler itself does nothing
-            self._previous_handler = signal.signal(HANG_SIGNAL, lambda signum, frame: None)
+            self._previous_handler = signal.signal(HANG_SIGNAL, _ignore)
+        # a system call the signal interrupts restarts (SA_RESTART, as faulthandler.register had it): C code
+        # that does not retry on EINTR (a store's or a socket's read) must not fail because stacks were asked
+        signal.siginterrupt(HANG_SIGNAL, False)
+        _WATCHES.add(self)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="goat-dist-stacks", daemon=True)
         self._thread.start()
@@ -106,11 +127,27 @@ class StackWatch:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._previous_wakeup == -1:
-            signal.set_wakeup_fd(-1)
+            current = signal.set_wakeup_fd(-1)
+            if current != self._pipe[1]:  # set by someone else since start(): theirs stays
+                signal.set_wakeup_fd(current)
         signal.signal(HANG_SIGNAL, self._previous_handler)
-        for fd in self._pipe:
+        self._close()
+
+    def _close(self) -> None:
+        _WATCHES.discard(self)
+        for fd in self._pipe or ():
             os.close(fd)
         self._pipe, self._thread, self._deadline = None, None, None
+
+    def _forget_in_child(self) -> None:
+        """A forked child (a DataLoader worker) has no watch thread: it drops the inherited wakeup fd, so
+        that a signal to the child does not wake a pipe only the parent reads."""
+        if self._pipe is not None and self._previous_wakeup == -1:
+            try:
+                signal.set_wakeup_fd(-1)
+            except ValueError:
+                pass  # forked from a thread that is not the child's main one: the fd stays, unread
+        self._close()
 
     def _wake(self) -> None:
         if self._pipe is None:
@@ -127,7 +164,10 @@ class StackWatch:
             with self._lock:
                 deadline = self._deadline
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([read_fd], [], [], timeout)
+            try:
+                ready, _, _ = select.select([read_fd], [], [], timeout)
+            except (OSError, ValueError):
+                return  # the pipe was closed under it (a stop() that gave up waiting)
             if self._stopping:
                 return
             if ready:
@@ -145,7 +185,8 @@ class StackWatch:
     def _print(self, why: str) -> None:
         self.dumps += 1
         head = f"goat-dist: every thread's Python stack, {why}; the run goes on\n"
-        write_all(self.fd, head + format_stacks(skip=threading.get_ident()))
+        watcher = self._thread.ident if self._thread is not None else None
+        write_all(self.fd, head + format_stacks(skip=watcher))  # every thread but the watch's own
 
     def _print_from_main(self, signum, frame) -> None:
         self._print("on SIGUSR2")
