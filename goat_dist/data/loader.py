@@ -247,15 +247,16 @@ def _keep_open(sources: Sequence[SourceSplit]) -> None:
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: workers ignore SIGTERM, SIGUSR1 and SIGINT.
+    """DataLoader ``worker_init_fn``: workers ignore SIGTERM, SIGUSR1, SIGINT and SIGUSR2.
 
     Why: a signal sent to the whole process group (Slurm signals every process of a step; torchrun uses
     killpg) also reaches the workers, which are forked before the trainer installs its handlers. A worker
     killed by it makes the main process raise "DataLoader worker ... killed" instead of saving at the next
-    step boundary. The trainer (main process) decides; workers end when the loader shuts them down."""
+    step boundary; SIGUSR2 (``scancel --signal=USR2``: print the trainer's stacks) would kill it by default.
+    The trainer (main process) decides; workers end when the loader shuts them down."""
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
 
 

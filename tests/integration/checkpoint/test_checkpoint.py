@@ -259,7 +259,8 @@ def test_rerun_with_resume_never_publishes_its_own_final_checkpoint(tmp_path, bu
 
 def test_sigterm_to_the_process_group_with_loader_workers_saves(tmp_path, builtin_cache):
     """Slurm and torchrun signal a whole process group: DataLoader workers must ignore the signal (else one
-    dies and torch raises 'DataLoader worker ... killed'), the trainer saves and exits 75."""
+    dies and torch raises 'DataLoader worker ... killed'), the trainer saves and exits 75. First SIGUSR2
+    (``scancel --signal=USR2``: the stacks): the trainer prints them and trains on, the workers live."""
     run_dir = tmp_path / "run"
     overrides = ["train.max_steps=100000", "data.num_workers=2", f"data.cache_dir={builtin_cache}"]
     proc = subprocess.Popen(
@@ -272,9 +273,12 @@ def test_sigterm_to_the_process_group_with_loader_workers_saves(tmp_path, builti
         start_new_session=True,  # its own process group, like a Slurm step
     )
     wait_for_step(run_dir, 3, proc)
+    os.killpg(proc.pid, signal.SIGUSR2)
+    wait_for_step(run_dir, 12, proc)  # past the batches the workers had prefetched: they still serve
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert err.count("every thread's Python stack, on SIGUSR2") == 1, err[-3000:]  # the trainer's, once
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert (run_dir / "checkpoints" / latest / "manifest.json").is_file()
     assert json.loads((run_dir / "last_exit.json").read_text())["status"] == "checkpointed"
