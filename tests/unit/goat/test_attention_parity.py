@@ -185,7 +185,10 @@ def test_matches_reference_long(L, offset, kv):
     x = torch.randn(2, L, 128)
     y64, _ = run_reference(in_float64(ref), x.double(), case)
     y, _ = run_ours(ours, x, case)
-    assert (y.double() - y64).abs().max().item() <= 1e-5
+    # fp32 against float64: 2.7e-6 / 1.0e-5 / 1.6e-6 for these three cases on one Xeon (the exact figure
+    # depends on the CPU's matmul kernels: 1.0017e-5 failed a 1e-5 limit on one machine, not another); the
+    # reference's own fp32 run is off by 3.0e-6 / 1.2e-3 / 2.8e-5 (its phase w*(i-j) in fp32 at i ~ 1e5)
+    assert (y.double() - y64).abs().max().item() <= 2e-5
 
 
 @pytest.mark.parametrize("case", CASES[::3], ids=case_id)
