@@ -15,11 +15,14 @@ never anything that builds on the configuration.
 
 from .checks import validate
 from .loading import (
+    RUN_CONFIG_HEADER,
     add_config_arguments,
     data_vocab_size,
+    foreign_run_config,
     load_config,
     parse_override,
     save_config,
+    save_run_config,
 )
 from .sections import *  # noqa: F403
 from .sections import (
@@ -61,5 +64,8 @@ __all__ = [
     "load_config",
     "parse_override",
     "save_config",
+    "save_run_config",
+    "foreign_run_config",
+    "RUN_CONFIG_HEADER",
     "validate",
 ]

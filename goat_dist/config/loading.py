@@ -183,3 +183,30 @@ def save_config(cfg: Config, path: Path) -> None:
     from ..atomic import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+RUN_CONFIG_HEADER = "# goat-dist: the resolved config this run ran with, rewritten at each start of the run\n"
+RUN_RECORDS = ("metrics.jsonl", "checkpoints", "last_exit.json")  # a run dir a run has trained into
+
+
+def foreign_run_config(run_dir: Path) -> Path | None:
+    """``<run_dir>/config.yaml`` when no run wrote it (no header, in a directory no run has trained into):
+    a user's own config file kept in the run dir, perhaps the one passed as ``--config``. The run would
+    replace it with its resolved config (comments and ``auto`` values lost), so the run refuses to start
+    (``trainer/run_lock.WorldLock``). A config.yaml without the header in a run's directory is an older
+    version's, and is replaced."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file() or any((Path(run_dir) / name).exists() for name in RUN_RECORDS):
+        return None
+    with path.open("rb") as f:
+        head = f.read(len(RUN_CONFIG_HEADER.encode()))
+    return None if head == RUN_CONFIG_HEADER.encode() else path
+
+
+def save_run_config(cfg: Config, run_dir: Path) -> Path:
+    """``<run_dir>/config.yaml``: the run's resolved config under a header that marks it as the run's."""
+    from ..atomic import atomic_write_text
+
+    path = Path(run_dir) / "config.yaml"
+    atomic_write_text(path, RUN_CONFIG_HEADER + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path

@@ -367,6 +367,7 @@ class WorldLock:
         error: BaseException | None = None
         if self.lock is not None:
             try:
+                self._refuse_a_users_config()
                 self.lock.acquire()
                 self.acquired = True
                 mark_running(self.cfg.run_dir, self.lock.record)
@@ -386,6 +387,18 @@ class WorldLock:
         if error is not None:
             raise error
         self.agreed = True
+
+    def _refuse_a_users_config(self) -> None:
+        """Before anything is written: a config.yaml in the run dir that no run wrote stays the user's."""
+        from ..config import foreign_run_config
+
+        theirs = foreign_run_config(Path(self.cfg.run_dir))
+        if theirs is not None:
+            raise RunDirError(
+                f"{theirs} was not written by a goat-dist run, and the run would replace it with its "
+                "resolved config (comments and 'auto' values lost): keep your config outside run.dir and "
+                "pass it with --config from there, or set run.dir to another directory"
+            )
 
     def _tell_the_world(self, refused: bool) -> bool:
         """One collective (the first of the run): rank 0's outcome to every rank."""

@@ -18,7 +18,7 @@ import torch
 
 from .. import distributed
 from ..checkpoint import CheckpointManager, extension
-from ..config import Config, save_config
+from ..config import Config, save_run_config
 from ..data import contract as data_contract
 from ..data.batches import data_sources, train_loader, val_loader
 from ..engine.construct import partition_as_built
@@ -207,7 +207,7 @@ class Trainer:
         if not self.layout.is_main:
             return []
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.yaml")
+        save_run_config(self.cfg, self.run_dir)
         cbs: list[Callback] = [
             ConsoleLogger(self.cfg.train.max_steps),
             JsonlLogger(self.run_dir / "metrics.jsonl"),

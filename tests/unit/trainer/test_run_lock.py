@@ -261,3 +261,39 @@ def test_a_running_record_left_behind_is_a_killed_attempt(tmp_path):
         assert "killed" in outcome.reason and "host node-1, pid 4321" in outcome.reason
     action, message = goat_slurm.decide(run_dir, 137, max_restarts=1, job_id="99")
     assert action == "requeue" and "killed" in message
+
+
+def test_a_users_config_in_the_run_dir_is_refused_and_kept(tmp_path, monkeypatch):
+    """`train --config exp/config.yaml run.dir=exp`: the run would replace the user's file with its resolved
+    config (comments and `auto` values lost). entry.run refuses before anything is written (exit 2)."""
+    from goat_dist.config import load_config
+    from goat_dist.trainer import entry
+
+    run_dir = tmp_path / "exp"
+    run_dir.mkdir()
+    mine = "# my experiment, keep these notes\ntrain:\n  precision: auto\n"
+    (run_dir / "config.yaml").write_text(mine)
+    cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"])
+    monkeypatch.setattr(entry, "Trainer", lambda cfg: pytest.fail("built a trainer"))
+    monkeypatch.setattr(entry.distributed, "teardown", lambda barrier=True: None)
+    with pytest.raises(RunDirError, match=f"{run_dir / 'config.yaml'} was not written by a goat-dist run"):
+        entry.run(cfg)
+    assert (run_dir / "config.yaml").read_text() == mine
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no lock, no last_exit.json
+
+
+def test_the_runs_own_config_and_an_older_runs_are_replaced(tmp_path):
+    """A config.yaml the run wrote (its header) is rewritten at the next start; one without the header in a
+    directory a run trained into (an older version's) too: neither is refused."""
+    from goat_dist.config import RUN_CONFIG_HEADER, foreign_run_config, load_config, save_run_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}"])
+    cfg.run_dir.mkdir()
+    written = save_run_config(cfg, cfg.run_dir)
+    assert written.read_text().startswith(RUN_CONFIG_HEADER)
+    assert load_config(written, []).to_dict() == cfg.to_dict()  # the header is a YAML comment
+    assert foreign_run_config(cfg.run_dir) is None
+    written.write_text(written.read_text()[len(RUN_CONFIG_HEADER) :])  # an older version's, no header
+    assert foreign_run_config(cfg.run_dir) == written  # alone in the dir: could be the user's
+    (cfg.run_dir / "metrics.jsonl").write_text("")
+    assert foreign_run_config(cfg.run_dir) is None  # beside a run's records: the run's
