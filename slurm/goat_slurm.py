@@ -309,8 +309,13 @@ def _read_state(run_dir: Path) -> dict:
 def _write_state(run_dir: Path, state: dict) -> None:
     path = _state_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
+    # this process's own temp name (two jobs on one run dir must not write one temp file), on disk before
+    # the rename: a node that dies mid-write leaves the previous state.json whole
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(state, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -273,6 +273,23 @@ def test_failures_are_bounded(tmp_path):
     assert log[-1]["reason"] == "RuntimeError: boom" and log[-1]["action"] == "give-up"
 
 
+def test_the_state_is_written_whole_under_this_process_own_temp_name(tmp_path, monkeypatch):
+    """Two jobs on one run dir each write their own temp file (a shared name let one job rename the
+    other's half-written file); the data is on disk before the rename."""
+    other = tmp_path / "slurm" / ".state.json.1.tmp"  # another job's write in progress
+    other.parent.mkdir()
+    other.write_text("{half")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(gs.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    attempt(tmp_path, "checkpointed", exit_code=75)
+    assert synced  # flushed to disk before os.replace
+    assert json.loads((tmp_path / "slurm" / "state.json").read_text())["failures"] == 0
+    assert other.read_text() == "{half"  # not this job's to touch
+    names = sorted(p.name for p in other.parent.iterdir())
+    assert names == [".state.json.1.tmp", "attempts.jsonl", "state.json"]  # no temp file of this job left
+
+
 def test_a_checkpointed_attempt_resets_the_failure_count(tmp_path):
     assert attempt(tmp_path, "failed", exit_code=1, max_restarts=1)[0] == "requeue"
     assert attempt(tmp_path, "checkpointed", exit_code=75, max_restarts=1)[0] == "requeue"
