@@ -113,14 +113,35 @@ def _entries(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+def _stamps(root: Path) -> dict[str, list[int]]:
+    """Every file's [size, mtime in ns] under ``root``: what tells the export's own file from one written
+    over it under the same name (``save_pretrained`` into the export writes model.safetensors too)."""
+    stamps = {}
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            stamps[str(p.relative_to(root))] = [st.st_size, st.st_mtime_ns]
+    return stamps
+
+
 def _previous_export(out: Path) -> tuple[bool, list[str]]:
-    """(whether ``out`` is an export this command wrote, the entries in it that the export did not write)."""
+    """(whether ``out`` is an export this command wrote, the entries in it that the export did not write:
+    names it never wrote, and files of its names changed since, by size or modification time)."""
     try:
         marker = json.loads((out / MARKER).read_text())
         written = set(marker["files"])
-    except (OSError, ValueError, KeyError, TypeError):
+        stamps = marker.get("stamps")  # exports before stamps were recorded: names only
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False, []
-    return True, [e for e in _entries(out) if e != MARKER and e not in written]
+    foreign = [e for e in _entries(out) if e != MARKER and e not in written]
+    if isinstance(stamps, dict):
+        now = _stamps(out)
+        foreign += [
+            f"{name} (changed since the export)"
+            for name, st in sorted(now.items())
+            if name in written and stamps.get(name) != st
+        ]
+    return True, foreign
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -279,6 +300,7 @@ def export(
             "checkpoint": str(step_dir),
             "step": state["step"],
             "files": _entries(tmp),
+            "stamps": _stamps(tmp),  # the rename keeps them: what --force checks is still the export's
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         _readable(tmp)

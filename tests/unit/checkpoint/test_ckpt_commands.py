@@ -118,6 +118,18 @@ def test_force_keeps_a_file_the_user_added_to_a_previous_export(run_dir, tmp_pat
     assert snapshot(out) == before
 
 
+def test_force_keeps_weights_written_over_a_previous_export_under_its_names(run_dir, tmp_path, capsys):
+    """``save_pretrained`` into an export directory writes model.safetensors and config.json, the export's
+    own names: the marker's sizes and times tell them apart, and --force refuses to replace them."""
+    out = tmp_path / "exported"
+    assert export(capsys, run_dir, out, "goat")[0] == 0
+    (out / "model.safetensors").write_bytes(b"MY FINE-TUNED WEIGHTS")
+    before = snapshot(out)
+    code, _, err = export(capsys, run_dir, out, "goat", "--force")
+    assert code == 2 and "model.safetensors (changed since the export)" in err and str(out) in err
+    assert snapshot(out) == before
+
+
 def test_an_empty_directory_is_used(run_dir, tmp_path, capsys):
     out = tmp_path / "empty"
     out.mkdir()
