@@ -241,7 +241,12 @@ def register(sub) -> None:
         "study", help="train and evaluate the position schemes of a study config over its seeds"
     )
     p.add_argument("config", help="e.g. configs/study/extrapolation.yaml")
-    p.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="retrain runs this study created, deleting their run dirs (a dir it did not create, or one a "
+        "trainer holds, is refused)",
+    )
     p.add_argument(
         "--quick", action="store_true", help="the config's 'quick' section: one seed, minutes (a smoke run)"
     )

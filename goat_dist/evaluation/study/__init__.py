@@ -28,7 +28,9 @@ every parallel region for its descheduled other thread (measured on the loaded 2
 machine: 1.1k tokens/s with 2 threads, 4-5k with 1, at the same time); one-thread jobs side by side
 lose nothing to that. Each (run, seed) trains in its own ``goat-dist train`` process into
 ``<out>/<run>/seed<k>`` (``<out>/<run>`` without ``seeds``); a finished run is reused when its settings
-are unchanged, an interrupted one resumes, ``--force`` retrains. Evaluation runs in this process (TP = 1).
+are unchanged, an interrupted one resumes, ``--force`` retrains (it deletes only run dirs the study created,
+marked by their ``study_run.json``, and none a trainer holds: ``runs.py``). Evaluation runs in this
+process (TP = 1).
 
 The statistics: every number is reported as mean +- standard deviation over seeds (and per seed). A
 difference between two runs is tested on the paired per-seed differences (the same seed gives every

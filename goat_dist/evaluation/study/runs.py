@@ -1,5 +1,12 @@
 """Training every (run, seed) of a study in its own ``goat-dist train`` process, ``jobs`` at a time;
-a finished run is reused only when it was trained with the same settings."""
+a finished run is reused only when it was trained with the same settings.
+
+The study recognises the run directories it created by their ``study_run.json`` (``RECORD``), written
+atomically into the run dir before its training starts (``status: training``) and again when it ends
+(``finished``). A directory under ``out`` without one is not the study's: it is never trained into,
+reused or deleted (``--force`` included), and the error names it. ``--force`` deletes only the study's
+own run dirs, and none that a trainer holds (``run.lock``): it takes the run's lock, moves the
+directory aside to a hidden sibling, lets the lock go and deletes the sibling."""
 
 from __future__ import annotations
 
@@ -9,8 +16,10 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from ...atomic import atomic_write_text, fsync_dir
 from .spec import RECORD, StudyError
 
 
@@ -49,20 +58,95 @@ def run_record(study: dict, name: str, seed) -> dict:
     return {"train_config": str(study["train_config"]), "overrides": run_overrides(study, name, seed)}
 
 
-def check_reusable(study: dict, name: str, seed) -> None:
-    """A finished run is reused only if it was trained with this study's settings (``study_run.json``)."""
+def write_record(study: dict, name: str, seed, status: str) -> None:
+    """The run dir's ``study_run.json`` (the study's mark on the directory), written atomically."""
     where = run_dir(study, name, seed)
+    where.mkdir(parents=True, exist_ok=True)
+    record = {**run_record(study, name, seed), "status": status, "time": time.time()}
+    atomic_write_text(where / RECORD, json.dumps(record, indent=1))
+
+
+def read_mark(where: Path) -> dict | str | None:
+    """``where``'s ``study_run.json``: the record, "unreadable" (it exists, torn or not a record: written
+    by an earlier study that crashed mid-write) or None (none, or ``where`` is no directory: the study did
+    not create it)."""
+    if not where.is_dir():
+        return None
+    path = where / RECORD
     try:
-        record = json.loads((where / RECORD).read_text())
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError):
-        print(f"[study] {name}: {where} has no {RECORD}; reusing it unchecked", flush=True)
-        return
-    want = run_record(study, name, seed)
-    if record != want:
+        return "unreadable"
+    return record if isinstance(record, dict) else "unreadable"
+
+
+def check_reusable(study: dict, name: str, seed) -> None:
+    """A run is reused or resumed only if the study created it and trained it with this study's settings
+    (``study_run.json``); without a readable record it is refused, never reused unchecked."""
+    where = run_dir(study, name, seed)
+    record = read_mark(where)
+    if record is None:
         raise StudyError(
-            f"{where} was trained with other settings ({record}) than this study's ({want}); "
+            f"{where} exists, but this study did not create it (no {RECORD}): it neither trains into nor "
+            "reuses a directory it did not write; move it away, or choose another 'out'"
+        )
+    if not isinstance(record, dict):
+        raise StudyError(
+            f"{where / RECORD} is unreadable: the settings {where} was trained with are unknown; "
             "rerun with --force to retrain it, or change 'out'"
         )
+    want = run_record(study, name, seed)
+    have = {key: record.get(key) for key in want}
+    if have != want:
+        raise StudyError(
+            f"{where} was trained with other settings ({have}) than this study's ({want}); "
+            "rerun with --force to retrain it, or change 'out'"
+        )
+
+
+def remove_own_run(where: Path) -> None:
+    """``--force``: delete the run dir ``where`` if this study created it and no trainer holds it;
+    otherwise raise ``StudyError`` naming it. The dir is moved aside (under its run lock) before it is
+    deleted, so ``where`` is either whole or gone, and a trainer starting meanwhile finds the lock held."""
+    from ...trainer.run_lock import RunDirError, RunLock
+
+    why = "--force would delete"
+    if where.is_symlink():
+        raise StudyError(f"{why} {where}, a symbolic link (it deletes nothing through a link); move it away")
+    if read_mark(where) is None:
+        raise StudyError(
+            f"{why} {where}, which this study did not create (no {RECORD}); move it away, or choose "
+            "another 'out'"
+        )
+    lock = RunLock(where, log=lambda msg: print(f"[study] {msg}", flush=True))
+    try:
+        lock.acquire()
+    except RunDirError as e:
+        raise StudyError(f"--force does not delete {where}: {e}") from None
+    aside = where.with_name(f".{where.name}.force-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(where, aside)
+        fsync_dir(where.parent)
+    except OSError as e:
+        raise StudyError(f"{why} {where}, but it could not be moved aside ({e.strerror or e})") from None
+    finally:
+        lock.release()
+    print(f"[study] --force: removing this study's run {where}", flush=True)
+    try:
+        shutil.rmtree(aside)
+    except OSError as e:
+        raise StudyError(
+            f"--force moved {where} to {aside} but could not delete it ({e.strerror or e}); delete it by hand"
+        ) from None
+
+
+def claimable(where: Path) -> bool:
+    """``where`` may be trained into without a record: it does not exist, or is an empty directory."""
+    if not where.exists() and not where.is_symlink():
+        return True
+    return where.is_dir() and not any(where.iterdir())
 
 
 def load_now() -> float:
@@ -75,15 +159,17 @@ def load_now() -> float:
 
 def pending_runs(study: dict, force: bool, seconds: dict, cpu: dict) -> list[tuple[str, object]]:
     """The (run, seed) pairs still to train, seed-major (a study cut short still has complete seeds);
-    finished runs are checked against the study and counted as 0 s."""
+    finished runs are checked against the study and counted as 0 s. ``force``: the study's own run dirs
+    are deleted (``remove_own_run``); a directory the study did not create is refused, with or without."""
     todo = []
     for seed in study["seeds"]:
         for name in study["runs"]:
             where, label = run_dir(study, name, seed), seed_label(seed)
-            if force and where.exists():
-                shutil.rmtree(where)
+            if force and not claimable(where):
+                remove_own_run(where)
+            if not claimable(where):
+                check_reusable(study, name, seed)  # the study's, with its settings: reuse or resume it
             if finished(where):
-                check_reusable(study, name, seed)
                 print(f"[study] {name} seed {label}: reusing the finished run in {where}", flush=True)
                 seconds[name][label] = cpu[name][label] = 0.0
             else:
@@ -99,9 +185,9 @@ def start_run(study: dict, name: str, seed, loads: list) -> tuple[subprocess.Pop
     where, label = run_dir(study, name, seed), seed_label(seed)
     loads.append(load_now())
     env = child_env(OMP_NUM_THREADS=str(study["threads"]))
+    write_record(study, name, seed, "training")  # the study's mark, before anything else is written there
     out = None
     if study["jobs"] > 1:
-        where.mkdir(parents=True, exist_ok=True)
         out = open(where / "train.log", "a")  # noqa: SIM115 (closed when the process ends)
     note = f", log {where / 'train.log'}" if out else ""
     print(f"[study] {name} seed {label}: training -> {where} (load {loads[-1]:.1f}{note})", flush=True)
@@ -136,7 +222,7 @@ def train_all(study: dict, force: bool) -> dict:
                 other.terminate()
             where = run_dir(study, name, seed) / "train.log" if study["jobs"] > 1 else "its output above"
             raise RuntimeError(f"study run {name} seed {label} failed (exit {proc.returncode}); see {where}")
-        (run_dir(study, name, seed) / RECORD).write_text(json.dumps(run_record(study, name, seed), indent=1))
+        write_record(study, name, seed, "finished")
         seconds[name][label] = time.perf_counter() - t0
         cpu[name][label] = usage.ru_utime + usage.ru_stime
         print(f"[study] {name} seed {label}: trained in {seconds[name][label] / 60:.1f} min", flush=True)
