@@ -71,7 +71,7 @@ def _build(out: Path, vocab_size: int, max_bytes: int, val_fraction: float, log:
     t_tok = time.perf_counter()
     eos = eos_id(tok, EOS_TOKEN)  # the token train_bpe builds in
 
-    progress = PrepareProgress.load(out, "builtin", ["train", "val"])
+    progress = PrepareProgress.new(out, "builtin", ["train", "val"])  # `out`: a fresh temporary directory
     written = write_shards(
         zip(docs, sizes),
         is_val,

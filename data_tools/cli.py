@@ -18,7 +18,7 @@ from data_tools.inputs import InputError, check_text_field, expand_inputs, iter_
 PROG = "python -m data_tools"
 
 
-def _error(args: argparse.Namespace, cmd: str, exn: BaseException, code: int) -> int:
+def _error(args: argparse.Namespace, cmd: str, exn: BaseException | str, code: int) -> int:
     print(f"{args.data_prog} {cmd}: error: {exn}", file=sys.stderr)
     return code
 
@@ -30,7 +30,9 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         files = expand_inputs(args.input)
         check_text_field(files, args.text_field)
         texts = (text for text, _ in iter_inputs(files, args.text_field))
-        tok = train_bpe(texts, args.vocab_size, args.out)
+        tok = train_bpe(texts, args.vocab_size, args.out, overwrite=args.force)
+    except FileExistsError as exn:
+        return _error(args, "tokenizer train", f"{exn}; pass --force to replace it", 2)
     except InputError as exn:
         return _error(args, "tokenizer train", exn, 1)
     except (ValueError, OSError) as exn:  # OSError: --out's directory can't be made or written
@@ -71,6 +73,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             eos_token=args.eos_token,
             command=_command_line(args),
             show_progress=not args.no_progress,
+            overwrite=args.overwrite,
+            restart=args.restart,
         )
     except InputError as exn:
         return _error(args, "prepare", exn, 1)
@@ -97,6 +101,7 @@ def _add_tokenizer(sub) -> None:
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--out", required=True, help="tokenizer.json to write (its directory is created)")
     t.add_argument("--text-field", default="text", help="JSONL field / Parquet, Arrow column (default: text)")
+    t.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
     t.set_defaults(func=cmd_tokenizer_train)
 
 
@@ -129,6 +134,17 @@ def _add_prepare(sub) -> None:
         "<|endoftext|>, <|end_of_text|> or </s>)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a data set prepared in --out with other arguments (only the files its manifest lists)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="drop an interrupted prepare in --out that had other arguments (only the files its "
+        ".prepare-progress.json lists) and start over",
+    )
     p.set_defaults(func=cmd_prepare)
 
 

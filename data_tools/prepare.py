@@ -27,25 +27,22 @@ import numpy as np
 
 from data_tools.encode import Doc, encode_in_order, encoder_pool
 from data_tools.inputs import COMPRESSED_EXTS, check_text_field, expand_inputs, input_kind, iter_inputs
-from data_tools.restart import PrepareProgress
+from data_tools.out_dir import open_out, summary
+from data_tools.restart import PrepareError, PrepareProgress
+
+__all__ = ["PrepareError", "prepare", "val_chooser", "write_shards"]
 from data_tools.shard_format import (
     FIELDS,
-    MANIFEST_NAME,
-    TOKENIZER_NAME,
     document_key,
     ids_field,
+    index_name,
     new_manifest,
     read_manifest,
     write_manifest,
 )
 from data_tools.tokenizer import EOS_TOKEN, choose_eos, load_tokenizer
 from data_tools.writer import ShardWriter
-from goat_dist.atomic import atomic_write_bytes, sha256_file
-
-
-class PrepareError(RuntimeError):
-    """The output directory can't be (re)used as asked."""
-
+from goat_dist.atomic import sha256_file
 
 # ---------------------------------------------------------------- the validation split
 
@@ -99,7 +96,14 @@ class _ShardSink:
     def __init__(self, out: Path, prefixes: dict, progress: PrepareProgress, shard_size_mb, vocab_size):
         self.progress = progress
         self.writers = {
-            s: ShardWriter(out, p, shard_size_mb, vocab_size=vocab_size, start_index=len(progress.splits[s]))
+            s: ShardWriter(
+                out,
+                p,
+                shard_size_mb,
+                vocab_size=vocab_size,
+                start_index=len(progress.splits[s]),
+                on_open=lambda name: progress.claim([name, index_name(name)]),
+            )
             for s, p in prefixes.items()
         }
         self.docs = self.tokens = 0
@@ -209,42 +213,6 @@ def _settings(files, tokenizer_sha, eos_token, text_field, shard_size_mb, val, p
     }
 
 
-def _summary(manifest: dict, docs: int, tokens: int, reused: int, seconds: float) -> dict:
-    return {
-        "manifest": manifest,
-        "docs_tokenized": docs,
-        "tokens_tokenized": tokens,
-        "shards_reused": reused,
-        "seconds": seconds,
-    }
-
-
-def _finished(out: Path, fingerprint: str, echo) -> dict | None:
-    """The summary of an already finished identical prepare, None when there is none."""
-    if not (out / MANIFEST_NAME).is_file():
-        return None
-    manifest = read_manifest(out)
-    if manifest.get("prepare", {}).get("fingerprint") != fingerprint:
-        raise PrepareError(f"{out} already holds a finished data set built from other inputs or arguments")
-    echo(f"[data] {out} is already prepared with these arguments; nothing to do")
-    return _summary(manifest, 0, 0, sum(len(v) for v in manifest["splits"].values()), 0.0)
-
-
-def _start(out: Path, fingerprint: str, prefixes: dict, tokenizer: Path, echo) -> PrepareProgress:
-    """Progress kept from an interrupted run; drops its temporaries and puts the tokenizer in place."""
-    progress = PrepareProgress.load(out, fingerprint, list(prefixes))
-    reused = sum(len(v) for v in progress.splits.values())
-    if reused:
-        echo(f"[data] resuming: {reused} finished shard(s) kept")
-    for name in prefixes.values():
-        for tmp in out.glob(f".{name}-*.tmp"):
-            tmp.unlink(missing_ok=True)
-    tok_bytes = tokenizer.read_bytes()
-    if not (out / TOKENIZER_NAME).is_file() or (out / TOKENIZER_NAME).read_bytes() != tok_bytes:
-        atomic_write_bytes(out / TOKENIZER_NAME, tok_bytes)
-    return progress
-
-
 def _plain_bytes(files: Sequence[Path]) -> int | None:
     """Total input size when it measures progress (no compressed, Parquet or Arrow input), else None."""
     if any(p.name.lower().endswith(COMPRESSED_EXTS) or input_kind(p) in ("parquet", "arrow") for p in files):
@@ -268,13 +236,21 @@ def prepare(
     command: str | None = None,
     show_progress: bool = True,
     echo: Callable[[str], object] = print,
+    overwrite: bool = False,
+    restart: bool = False,
 ) -> dict:
     """Tokenize `inputs` into shards under `out_dir` (see the module docstring). `eos_token` ends every
     document; None: the tokenizer file's own end-of-text token (`tokenizer.choose_eos`).
 
+    `out_dir` must be new, empty (but for a copy of the tokenizer file) or a prepare's own output:
+    the same arguments resume an interrupted run (or find a finished one: nothing to do). Other
+    arguments are refused unless `overwrite` (replace a finished data set: only the files its manifest
+    lists) or `restart` (drop an interrupted run: only the files its progress record lists); a file
+    no prepare wrote is never replaced or removed.
+
     Returns {"manifest", "docs_tokenized", "tokens_tokenized", "shards_reused", "seconds"}. Raises
-    InputError (bad input, named by file and line), PrepareError (`out_dir` holds a finished data
-    set built differently) and ValueError (bad arguments, among them TextFieldError: a Parquet or Arrow
+    InputError (bad input, named by file and line), PrepareError (`out_dir` can't be used as asked;
+    nothing in it was changed) and ValueError (bad arguments, among them TextFieldError: a Parquet or Arrow
     input without that text column, found before anything is written).
     """
     if not 0 <= val_fraction < 1:
@@ -296,12 +272,12 @@ def prepare(
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = _finished(out, fingerprint, echo)
-    if summary is not None:
-        return summary
     prefixes = {"train": prefix, "val": val_prefix}
-    progress = _start(out, fingerprint, prefixes, Path(tokenizer), echo)
+    progress = open_out(
+        out, fingerprint, settings, prefixes, Path(tokenizer), overwrite=overwrite, restart=restart, echo=echo
+    )
+    if isinstance(progress, dict):
+        return progress  # finished before, with these arguments
     echo(f"[data] every document ends with {eos_token!r} (id {eos})")
     reused = sum(len(v) for v in progress.splits.values())
 
@@ -327,6 +303,7 @@ def prepare(
         "n_docs": written.n_docs,
         "n_bytes": written.n_bytes,
     }
+    recorded = {k: v for k, v in settings.items() if k != "inputs"}  # the inputs: in "source"
     manifest = new_manifest(
         tok.get_vocab_size(),
         tokenizer_sha,
@@ -335,13 +312,13 @@ def prepare(
         eos_token=eos_token,
         command=command,
         source=source,
-        prepare={"fingerprint": fingerprint},
+        prepare={"fingerprint": fingerprint, "settings": recorded},
     )
     write_manifest(out, manifest)
     progress.remove()
     seconds = time.perf_counter() - t0
     _report(out, written, reused, seconds, val, echo)
-    return _summary(read_manifest(out), written.docs_tokenized, written.tokens_tokenized, reused, seconds)
+    return summary(read_manifest(out), written.docs_tokenized, written.tokens_tokenized, reused, seconds)
 
 
 def _report(out: Path, written: Written, reused: int, seconds: float, val: dict, echo) -> None:

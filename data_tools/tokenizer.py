@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from goat_dist.atomic import atomic_write_text
+from data_tools.shard_format import MANIFEST_NAME, TOKENIZER_NAME
+from goat_dist.atomic import atomic_write_text, fsync_dir, temp_path_for
 
 EOS_TOKEN = "<|endoftext|>"  # the end-of-text token `train_bpe` builds in
 # End-of-text tokens of common tokenizer families, the preferred first: GPT-2/NeoX/Qwen, Llama-3 (base),
@@ -33,15 +34,50 @@ def _new_tokenizer() -> Tokenizer:
     return tok
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike) -> Tokenizer:
+def _exists_message(path: Path) -> str:
+    message = f"{path} already exists (not replaced)"
+    if path.name == TOKENIZER_NAME and (path.parent / MANIFEST_NAME).is_file():
+        message += f": it is the tokenizer of the data set in {path.parent}"
+    return message
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, but only if `path` does not exist (FileExistsError)."""
+    tmp = temp_path_for(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if `path` exists, even if made meanwhile
+        except FileExistsError:
+            raise FileExistsError(_exists_message(path)) from None
+        except OSError:  # a file system without hard links
+            if path.exists():
+                raise FileExistsError(_exists_message(path)) from None
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike, *, overwrite: bool = False
+) -> Tokenizer:
     """Train a byte-level BPE on `texts`, save it atomically as JSON at `out_path` and return it.
 
-    The vocabulary holds EOS (id 0), the 256 byte symbols, then merges. The same texts give the
-    same vocabulary and merges (the trainer breaks frequency ties deterministically).
+    An existing `out_path` is a FileExistsError naming it (checked before training) unless
+    `overwrite`. The vocabulary holds EOS (id 0), the 256 byte symbols, then merges. The same texts
+    give the same vocabulary and merges (the trainer breaks frequency ties deterministically).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + EOS), got {vocab_size}")
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)  # before training: fail fast
+    out = Path(out_path)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a directory; name the tokenizer file to write")
+    if out.exists() and not overwrite:  # before training: fail fast
+        raise FileExistsError(_exists_message(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
     tok = _new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -51,7 +87,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    atomic_write_text(out_path, tok.to_str())
+    if overwrite:
+        atomic_write_text(out, tok.to_str())
+    else:
+        _write_new(out, tok.to_str())
     return tok
 
 

@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ class ShardWriter:
         *,
         vocab_size: int,
         start_index: int = 0,
+        on_open: Callable[[str], object] | None = None,
     ):
         if shard_size_mb <= 0:
             raise ValueError(f"shard_size_mb must be positive, got {shard_size_mb}")
@@ -67,6 +69,8 @@ class ShardWriter:
         self.dtype = FIELDS[self.field]
         # a restarted writer continues the numbering of shards already finished by an earlier run
         self.start_index = start_index
+        # told each shard's name before anything of it is written (prepare records it as its own)
+        self.on_open = on_open
         self.shards: list[dict] = []
         self._keys: set[str] = set()
         self._file = None
@@ -114,6 +118,8 @@ class ShardWriter:
 
     def _open(self) -> None:
         self._name = shard_name(self.prefix, self.start_index + len(self.shards))
+        if self.on_open is not None:
+            self.on_open(self._name)
         self._tmp = temp_path_for(self.out_dir / self._name)
         self._file = open(self._tmp, "wb")
         self._hashing = HashingFile(self._file)
