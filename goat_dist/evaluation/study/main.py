@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from ...atomic import atomic_write_text
 from .runs import load_now, run_dir, seed_label, train_all
 from .spec import load_study
 from .stats import aggregate, effect_for, metric_names, passkey_metrics, ppl_metrics, seed_stats
@@ -260,7 +261,7 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
         f"Protocol: {protocol}.",
         *timing_lines(trained, reports, total, load_start, load_now()),
     ]
-    (out / "study.md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out / "study.md", "\n".join(md) + "\n")
     summary = {
         "study": study["name"],
         "quick": quick,
@@ -283,7 +284,7 @@ def run_study(config: str | Path, force: bool = False, quick: bool = False) -> i
         "total_s": total,
         "reports": reports,
     }
-    (out / "study.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / "study.json", json.dumps(summary, indent=1, default=str))
     print("\n".join(body))
     print(f"[study] wrote {out / 'study.md'}, {out / 'study.json'}, " + ", ".join(map(str, pictures)))
     print(f"[study] {total / 60:.1f} min")
