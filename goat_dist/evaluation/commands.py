@@ -112,7 +112,8 @@ def cmd_passkey(args) -> int:
             lines.append("note: this checkpoint was not trained with data.synthetic=passkey")
         session.release_model()
         if session.layout.is_main:
-            lines += [f"wrote {p}" for p in write_passkey(report, session.out_dir(args.out))]
+            *written, note = write_passkey(report, session.out_dir(args.out))
+            lines += [f"wrote {p}" for p in written] + ([note] if note else [])
         return lines
 
     return _run(args, body)
@@ -150,7 +151,8 @@ def cmd_harness(args) -> int:
         )
         if report is None:  # not rank 0
             return []
-        return [table(report), f"wrote {write_harness(report, session.out_dir(args.out))}"]
+        path, note = write_harness(report, session.out_dir(args.out))
+        return [table(report), f"wrote {path}", *([note] if note else [])]
 
     return _run(args, body)
 

@@ -423,10 +423,14 @@ def table(report: dict) -> str:
     return text.rstrip()
 
 
-def write_harness(report: dict, out: Path) -> Path:
+def write_harness(report: dict, out: Path) -> tuple[Path, str | None]:
+    """(path, note): the report in ``<out>/harness.json``; an earlier one of another checkpoint is kept
+    beside it (``reports.keep_earlier``)."""
     from ..atomic import atomic_write_text
+    from .reports import keep_earlier
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "harness.json"
+    note = keep_earlier(path, report)
     atomic_write_text(path, json.dumps(report, indent=1))
-    return path
+    return path, note

@@ -5,6 +5,7 @@ write it as JSON plus its picture, atomically: ``<out>/passkey.json``; perplexit
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..atomic import atomic_write_text
@@ -127,10 +128,34 @@ def passkey_report(session: Session, lengths, depths, samples: int, seed: int, b
     }
 
 
-def write_passkey(report: dict, out: Path) -> tuple[Path, Path]:
+def keep_earlier(path: Path, report: dict, *also: Path) -> str | None:
+    """An earlier report at ``path`` of another checkpoint (``checkpoint`` or ``step`` differ) is kept, not
+    replaced: renamed to ``<stem>.step<N><suffix>``, the files ``also`` (its picture) alike; the note says
+    where. The same checkpoint measured again replaces its report."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(earlier, dict) or all(earlier.get(k) == report.get(k) for k in ("checkpoint", "step")):
+        return None
+    tag, n = f"step{earlier.get('step')}", 1
+    while any(p.with_name(f"{p.stem}.{tag}{p.suffix}").exists() for p in (path, *also)):
+        n += 1  # that step's report is kept already (another checkpoint path): a new name, never over it
+        tag = f"step{earlier.get('step')}-{n}"
+    for p in (path, *also):
+        if p.exists():
+            os.replace(p, p.with_name(f"{p.stem}.{tag}{p.suffix}"))
+    kept = path.with_name(f"{path.stem}.{tag}{path.suffix}")
+    return f"kept the earlier report (step {earlier.get('step')}) as {kept}"
+
+
+def write_passkey(report: dict, out: Path) -> tuple[Path, Path, str | None]:
+    """(json, png, note): the report in ``<out>/passkey.json`` and its picture; an earlier one of another
+    checkpoint is kept beside them (``keep_earlier``)."""
     from .plots import passkey_figure, write_png
 
     out.mkdir(parents=True, exist_ok=True)
+    note = keep_earlier(out / "passkey.json", report, out / "passkey.png")
     atomic_write_text(out / "passkey.json", json.dumps(report, indent=1))
     title = f"{report['position']}: passkey retrieval ({report['samples_per_cell']} samples per cell)"
     fig = passkey_figure(
@@ -141,4 +166,4 @@ def write_passkey(report: dict, out: Path) -> tuple[Path, Path]:
         title,
         digit_accuracy=report.get("digit_accuracy"),
     )
-    return out / "passkey.json", write_png(fig, out / "passkey.png")
+    return out / "passkey.json", write_png(fig, out / "passkey.png"), note
