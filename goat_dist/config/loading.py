@@ -193,7 +193,7 @@ def foreign_run_config(run_dir: Path) -> Path | None:
     """``<run_dir>/config.yaml`` when no run wrote it (no header, in a directory no run has trained into):
     a user's own config file kept in the run dir, perhaps the one passed as ``--config``. The run would
     replace it with its resolved config (comments and ``auto`` values lost), so the run refuses to start
-    (``trainer/run_lock.WorldLock``). A config.yaml without the header in a run's directory is an older
+    (``run_lock.WorldLock``). A config.yaml without the header in a run's directory is an older
     version's, and is replaced."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file() or any((Path(run_dir) / name).exists() for name in RUN_RECORDS):

@@ -7,7 +7,8 @@ unreadable steps, signals and the deadline, and ``goat-dist train``'s entry (``e
 May import: everything below it: ``goat_dist.atomic``, ``goat_dist.collectives``, ``goat_dist.config``,
 ``goat_dist.precision``, ``goat_dist.rampup``, ``goat_dist.distributed``, ``goat_dist.data``,
 ``goat_dist.engine``, ``goat_dist.model``, ``goat_dist.parallel``, ``goat_dist.observe``,
-``goat_dist.checkpoint`` and ``goat_dist.doctor`` (the recorded write bandwidth); only the command line
+``goat_dist.checkpoint``, ``goat_dist.run_lock`` (one trainer per run dir) and ``goat_dist.doctor`` (the
+recorded write bandwidth); only the command line
 imports the trainer.
 """
 

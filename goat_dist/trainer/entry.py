@@ -20,9 +20,9 @@ from ..config import Config, ConfigError
 from ..data import contract as data_contract
 from ..data.batches import check_sources
 from ..distributed import LayoutError
+from ..run_lock import RunDirError, WorldLock
 from . import nonfinite
 from .deadline import DeadlineError
-from .run_lock import RunDirError, WorldLock
 from .signals import EXIT_ABORTED, EXIT_CHECKPOINTED
 from .state import RunState
 from .trainer import Trainer

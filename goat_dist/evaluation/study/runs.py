@@ -110,7 +110,7 @@ def remove_own_run(where: Path) -> None:
     """``--force``: delete the run dir ``where`` if this study created it and no trainer holds it;
     otherwise raise ``StudyError`` naming it. The dir is moved aside (under its run lock) before it is
     deleted, so ``where`` is either whole or gone, and a trainer starting meanwhile finds the lock held."""
-    from ...trainer.run_lock import RunDirError, RunLock
+    from ...run_lock import RunDirError, RunLock
 
     why = "--force would delete"
     if where.is_symlink():

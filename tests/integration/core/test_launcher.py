@@ -20,7 +20,7 @@ import torch
 from harness.multiproc import ROOT, TINY, clean_env, records
 
 from goat_dist.launcher import child_env
-from goat_dist.trainer.run_lock import pid_running
+from goat_dist.run_lock import pid_running
 
 
 def test_child_env_drops_launcher_variables_and_names_the_accelerator(monkeypatch):

@@ -311,7 +311,7 @@ def test_killed_srun_takes_its_tasks_along_without_a_checkpoint(cluster, jobdir,
     """SIGKILL of the training step's srun: Slurm leaves the step's tasks training until the job ends and
     then sends them SIGTERM, at which the trainer saves. train.sbatch ends them at once with SIGKILL: no
     checkpoint, and the attempt counts as killed (its last_exit.json still says "running")."""
-    from goat_dist.trainer.run_lock import pid_running
+    from goat_dist.run_lock import pid_running
 
     run_dir = jobdir / "srun-killed"
     overrides = tiny(builtin_cache, "train.max_steps=100000", f"run.dir={run_dir}")

@@ -13,7 +13,7 @@ import yaml
 from goat_dist.evaluation.study import StudyError, load_study
 from goat_dist.evaluation.study import runs as study_runs
 from goat_dist.evaluation.study.spec import RECORD
-from goat_dist.trainer.run_lock import RunLock
+from goat_dist.run_lock import RunLock
 
 # A stand-in for `goat-dist train`: it needs the study's record in its run dir (written before it
 # starts), then leaves what a finished run leaves (last_exit.json and a checkpoint).

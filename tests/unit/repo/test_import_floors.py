@@ -21,7 +21,7 @@ FLOORS = [
     {"atomic", "compat", "shapes", "precision", "collectives", "rampup", "lifeline"},  # stdlib, torch at most
     {"config"},
     {"distributed", "kernels"},
-    {"launcher", "goat", "engine", "data", "optim"},
+    {"launcher", "goat", "engine", "data", "optim", "run_lock"},
     {"parallel"},
     {"model"},
     {"generation", "observe"},

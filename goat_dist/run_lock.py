@@ -1,4 +1,5 @@
-"""One live trainer per run directory.
+"""One live trainer per run directory (the trainer holds it; a study's ``--force`` takes it before it
+deletes one of its own runs, so it never deletes a run being trained).
 
 Two trainers on one run dir would interleave their checkpoints and metrics: the second resumes from an
 older step, moves the first one's newer checkpoints out of its lineage and writes the same steps again.
@@ -37,7 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..atomic import atomic_write_text, fsync_dir, temp_path_for
+from .atomic import atomic_write_text, fsync_dir, temp_path_for
 
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.lock.json"
@@ -184,6 +185,7 @@ class RunLock:
         """True: flocked; False: the file system has no flock (the record alone decides). A lock held by
         a holder that is gone from this host (its DataLoader workers may outlive it briefly) is awaited."""
         deadline = time.monotonic() + BUSY_WAIT_S
+        assert self._fd is not None  # opened by acquire() first
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -390,7 +392,7 @@ class WorldLock:
 
     def _refuse_a_users_config(self) -> None:
         """Before anything is written: a config.yaml in the run dir that no run wrote stays the user's."""
-        from ..config import foreign_run_config
+        from .config import foreign_run_config
 
         theirs = foreign_run_config(Path(self.cfg.run_dir))
         if theirs is not None:
@@ -404,7 +406,7 @@ class WorldLock:
         """One collective (the first of the run): rank 0's outcome to every rank."""
         import torch
 
-        from .. import collectives, distributed
+        from . import collectives, distributed
 
         p = self.cfg.parallel
         distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=self.cfg.run_dir)

@@ -1,4 +1,4 @@
-"""One live trainer per run directory (``trainer/run_lock.py``), in-process: the lock refuses a second
+"""One live trainer per run directory (``run_lock.py``), in-process: the lock refuses a second
 holder naming the first, takes over a holder that is gone (and says so), keeps a heartbeat, lets go on
 release; ``last_exit.json`` says ``running`` while an attempt runs, and the job scripts' classifier reads a
 ``running`` record left behind as a killed attempt."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from goat_dist.trainer import run_lock
-from goat_dist.trainer.run_lock import RunDirError, RunLock
+from goat_dist import run_lock
+from goat_dist.run_lock import RunDirError, RunLock
 
 SLURM = Path(__file__).resolve().parents[3] / "slurm"
 
