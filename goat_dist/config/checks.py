@@ -106,6 +106,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.goat.train_len must be >= 1 or null, got {m.goat.train_len}")
     if cfg.log.prior_interval < 0 or cfg.log.peak_tflops < 0:
         raise ConfigError("log.prior_interval and log.peak_tflops must be >= 0")
+    _check_profile(cfg.log)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size {m.hidden_size} must divide by model.num_heads {m.num_heads}")
     kv = m.num_kv_heads or m.num_heads
@@ -166,3 +167,15 @@ def validate(cfg: Config) -> None:
     timeout = cfg.parallel.timeout_minutes
     if not timeout > 0:
         raise ConfigError(f"config key 'parallel.timeout_minutes' must be > 0, got {timeout}")
+
+
+def _check_profile(log) -> None:
+    """``log.profile_steps`` is [first, last] with 1 <= first <= last; ``log.profile_ranks`` ranks >= 0."""
+    steps = log.profile_steps
+    if steps is not None:
+        ok = isinstance(steps, list) and len(steps) == 2 and all(type(x) is int for x in steps)
+        if not ok or not 1 <= steps[0] <= steps[1]:
+            raise ConfigError(f"log.profile_steps must be [first, last] with 1 <= first <= last, got {steps}")
+    ranks = log.profile_ranks
+    if ranks is not None and not (isinstance(ranks, list) and all(type(r) is int and r >= 0 for r in ranks)):
+        raise ConfigError(f"log.profile_ranks must be a list of ranks (ints >= 0), got {ranks}")

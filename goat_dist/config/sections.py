@@ -227,6 +227,8 @@ class LogConfig(Section):
     attention_stats: bool = True  # sink / entropy / locality of attention per layer, at each eval
     peak_tflops: float = 0.0  # peak FLOP/s per device for MFU, in TFLOP/s; 0: known GPU table or CPU probe
     memory_per_rank: bool = False  # also every rank's memory (mem/rank_<r>/); default: min / mean / max only
+    profile_steps: list | None = None  # [first, last] steps to trace with torch.profiler; None: no profile
+    profile_ranks: list | None = None  # the ranks that trace (<run_dir>/profile/); None: rank 0 only
 
 
 @dataclass

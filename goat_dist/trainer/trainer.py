@@ -35,6 +35,7 @@ from .callbacks import (
     JsonlLogger,
     MemoryUse,
     PriorPictures,
+    Profiler,
     TensorBoardLogger,
     Throughput,
     TrainerAPI,
@@ -130,6 +131,8 @@ class Trainer:
             cfg, self.checkpoints, self.engine, self.checkpoint_record, self.deadline
         )
         jobs = [Throughput(cfg), Evaluation(cfg, self.val_batches), PriorPictures(cfg), self.checkpointing]
+        if cfg.log.profile_steps:
+            jobs.insert(0, Profiler(cfg))
         self.callbacks: list = [*jobs, MemoryUse(), *given, *plugins]
         self.api = TrainerAPI(self)  # what callbacks see of the trainer
         self._restored: set[int] = set()  # the callbacks that had their chance at a saved state

@@ -1,8 +1,9 @@
 """Callbacks keep the loop short: the trainer's own jobs and the loggers live here (``base`` lists the
 events and how a callback's state survives a resume; ``api`` is what a callback sees of the trainer,
 ``TrainerAPI``). Jobs, on every rank: ``Throughput`` (the logged metrics), ``Evaluation``,
-``PriorPictures``, ``Checkpointing``, ``MemoryUse``. Loggers, on the main rank: ``ConsoleLogger``,
-``JsonlLogger``, ``TensorBoardLogger``. The user's own: ``train.callbacks`` (``plugins``)."""
+``PriorPictures``, ``Checkpointing``, ``MemoryUse``, ``Profiler`` (``log.profile_steps``). Loggers, on the
+main rank: ``ConsoleLogger``, ``JsonlLogger``, ``TensorBoardLogger``. The user's own: ``train.callbacks``
+(``plugins``)."""
 
 from .api import DataPosition, TrainerAPI
 from .banner import start_info
@@ -13,6 +14,7 @@ from .loggers import ConsoleLogger, JsonlLogger, TensorBoardLogger
 from .memory import MemoryUse
 from .plugins import load_callbacks
 from .prior import PriorPictures
+from .profiler import Profiler
 from .throughput import Throughput
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "JsonlLogger",
     "MemoryUse",
     "PriorPictures",
+    "Profiler",
     "TensorBoardLogger",
     "Throughput",
     "TrainerAPI",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 from harness.multiproc import goat_train_command, records, run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -105,7 +108,7 @@ def test_values_make_sense(tb_run):
 def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_path, builtin_cache):
     """TP=2 under torchrun: the parameter norm is reduced correctly (TP1 and TP2 weights are identical),
     every rank's memory is logged on request (log.memory_per_rank), the prior pictures gather both ranks'
-    heads, one event file."""
+    heads, one event file. The profiler traces steps 2-3 on rank 1 only (log.profile_ranks)."""
     run_dir = tmp_path / "tp2"
     overrides = [
         "parallel.tp=2",
@@ -117,10 +120,21 @@ def test_tensor_parallel_run_logs_the_same_norm_from_rank_0_only(tb_run, tmp_pat
         "train.eval_batches=2",
         "log.prior_heads=[0,3]",
         "log.memory_per_rank=true",
+        "log.profile_steps=[2,3]",
+        "log.profile_ranks=[1]",
         f"data.cache_dir={builtin_cache}",
         f"run.dir={run_dir}",
     ]
     run(goat_train_command(2, overrides))
+    profiled = run_dir / "profile" / "steps2-3"
+    assert sorted(p.name for p in profiled.iterdir()) == ["rank1.top_ops.txt", "rank1.trace.json.gz"]
+    events_ = json.loads(gzip.decompress((profiled / "rank1.trace.json.gz").read_bytes()))["traceEvents"]
+    spans = {e["name"]: e for e in events_ if e.get("name", "").startswith("goat-dist step")}
+    assert sorted(spans) == ["goat-dist step 2", "goat-dist step 3"]  # the window, step by step
+    step2 = spans["goat-dist step 2"]
+    inside = [e for e in events_ if step2["ts"] <= e.get("ts", -1) <= step2["ts"] + step2["dur"]]
+    assert any(e.get("name") == "gloo:all_reduce" for e in inside)  # TP's reductions are in the step
+    assert "aten::mm" in (profiled / "rank1.top_ops.txt").read_text()
     single = {r["step"]: r for r in records(tb_run) if "loss" in r}
     for r in (r for r in records(run_dir) if "loss" in r):
         if r["step"] in single:

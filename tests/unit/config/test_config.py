@@ -39,6 +39,10 @@ def test_dotted_overrides_and_types():
         ("log.tensorboard=3", "log.tensorboard"),
         ("model.position=sinusoid", "model.position"),
         ("model.goat=3", "model.goat"),
+        ("log.profile_steps=[3,2]", "log.profile_steps"),
+        ("log.profile_steps=[0,2]", "log.profile_steps"),
+        ("log.profile_steps=[2]", "log.profile_steps"),
+        ("log.profile_ranks=[-1]", "log.profile_ranks"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, needle):
