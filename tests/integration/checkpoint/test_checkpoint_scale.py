@@ -290,11 +290,12 @@ def write_tp2_checkpoint(step_dir: Path, cache: Path) -> tuple[int, int]:
 def test_sharded_eval_and_streamed_export_hold_a_slice_and_a_tensor(world1, builtin_cache, tmp_path):
     """``goat-dist eval ppl`` on 2 ranks at TP=2 from a TP=2 checkpoint of a 327 MiB (fp32) model: each rank
     reads its own file's values only, straight into its model; its peak host RSS while building and loading
-    its model stays <= 0.6 x the model's fp32 size (measured 0.53-0.57: its slice 0.50, the model's
-    construction 0.02-0.05, one tensor 0.02), and so does the whole evaluation (0.582-0.585: the first
-    forward's library code pages, 0.02, and a batch's activations; 0.60-0.62 while glibc kept the freed
-    activation buffers of a batch in its heap, ``session.free_large_buffers_at_once``; 0.67-0.71 while rank 0
-    drew the report figure holding its weights). Before, every rank read the whole TP-merged model: 1.60 x.
+    its model stays <= 0.6 x the model's fp32 size (measured 0.52-0.56: its slice 0.50, the model's
+    construction and one tensor), and so does the whole evaluation (0.53-0.56; 0.60-0.62 while glibc kept
+    the freed activation buffers of a batch in its heap, ``session.free_large_buffers_at_once``; 0.67-0.71
+    while rank 0 drew the report figure holding its weights). The libraries' code pages are loaded before
+    the baselines (``tests/workers/eval_rss.py``: on one machine they were 0.07 of the 0.62 measured).
+    Before, every rank read the whole TP-merged model: 1.60 x.
     ``ckpt export`` (goat and Hugging Face formats) streams tensor by tensor: peak RSS <= the largest tensor
     + 256 MiB (measured 21-23 MiB, the largest tensor being 12 MiB; before, 341 and 406 MiB)."""
     from data_tools.builtin import builtin_dataset_dir
