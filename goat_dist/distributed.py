@@ -15,7 +15,6 @@ import atexit
 import datetime
 import functools
 import inspect
-import math
 import os
 import socket
 import sys
@@ -238,7 +237,7 @@ def init(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             context_parallel_size=cp,
-            distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)),
+            distributed_timeout_minutes=timeout_minutes,  # a float is kept (a timedelta of minutes)
             create_gloo_process_groups=False,
         )
     return current_layout()

@@ -116,7 +116,7 @@ PROBE_TIMEOUTS = """
 import torch, torch.distributed as dist
 from megatron.core import parallel_state
 from goat_dist import distributed
-distributed.init(tp=1, timeout_minutes=3)
+distributed.init(tp=1, timeout_minutes=0.75)
 cpu = torch.device("cpu")
 world = dist.group.WORLD._get_backend(cpu).options._timeout.total_seconds()
 tp = parallel_state.get_tensor_model_parallel_group()._get_backend(cpu).options._timeout.total_seconds()
@@ -126,10 +126,12 @@ print("TIMEOUTS", world, tp, parallel_state._DATA_PARALLEL_GROUP_GLOO is None)
 
 def test_every_group_gets_the_configured_timeout_and_no_megatron_gloo_duplicates():
     """parallel.timeout_minutes reaches the default group and megatron's groups (a mixed backend string
-    would otherwise get torch's 30 minutes); megatron's extra gloo groups are not created."""
+    would otherwise get torch's 30 minutes), a fraction of a minute unrounded (megatron's argument is
+    typed as whole minutes: rounded up, its groups got 60 s); megatron's extra gloo groups are not
+    created."""
     from harness.multiproc import marked_line
 
-    assert marked_line(["-c", PROBE_TIMEOUTS], "TIMEOUTS").split() == ["180.0", "180.0", "True"]
+    assert marked_line(["-c", PROBE_TIMEOUTS], "TIMEOUTS").split() == ["45.0", "45.0", "True"]
 
 
 def test_precision_auto_is_deepspeeds_bf16_mode_on_cuda_and_fp32_on_cpu(world1, builtin_cache, tmp_path):
