@@ -230,7 +230,16 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return self
 
     def stop(self) -> None:
-        """Stop the daemons this object started (slurmd, slurmctld, munged), by pid; nothing else."""
+        """Cancel the jobs still in this cluster (``cancel_all``), then stop the daemons this object
+        started (slurmd, slurmctld, munged), by pid; nothing else."""
+        daemons = [self.started.get(name) for name in ("slurmctld", "slurmd")]
+        try:
+            if all(pid is not None and _alive(pid) for pid in daemons):
+                self.cancel_all()
+        finally:
+            self._stop_daemons()
+
+    def _stop_daemons(self) -> None:
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self.started.pop(name, None)
             if pid is None or not _alive(pid):
@@ -241,6 +250,26 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.2)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+    def queued(self) -> list[str]:
+        """The ids of the jobs in this cluster's queue (all of them are this machine's tests': the cluster
+        is private)."""
+        proc = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True, text=True, timeout=30
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"squeue: {proc.stderr.strip()}")
+        return proc.stdout.split()
+
+    def cancel_all(self, timeout: float = 90) -> None:
+        """Cancel every job of this private cluster and wait until the queue is empty. A job step
+        (slurmstepd) outlives slurmd: a test that failed before cancelling its job would otherwise leave
+        it training, on a 2-core machine, through the tests after it. Waits past KillWait (30 s)."""
+        jobs = self.queued()
+        if not jobs:
+            return
+        subprocess.run(["scancel", *jobs], env=self.env(), capture_output=True, timeout=30)
+        self._wait(lambda: not self.queued(), timeout, f"jobs {jobs} still queued after scancel")
 
     @staticmethod
     def _wait(predicate, timeout: float, message: str) -> None:

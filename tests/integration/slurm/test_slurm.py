@@ -239,20 +239,22 @@ def test_time_limit_is_seen_coming(cluster, jobdir, builtin_cache):
     job, log = submit(
         cluster, jobdir, [*args, *tiny(builtin_cache, "train.max_steps=1000000", f"run.dir={run_dir}")]
     )
-    first_end = wait_for(
-        lambda: cluster.job(job).get("EndTime") if "(restart 0)" in log_text(log) else None, 120, "start"
-    )
-    wait_for(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1, 150, f"job {job} to requeue itself")
-    cluster.scontrol("update", f"jobid={job}", "TimeLimit=15")  # the test, not the limit, ends attempt 2
-    first = attempts(run_dir)[0]
-    assert first["status"] == "checkpointed" and first["reason"] == "deadline", first
-    assert first["ended"] < epoch(first_end), "the first attempt ended after the time limit"
-    wait_for(
-        lambda: "(restart 1)" in log_text(log) and last_step(run_dir) > first["step"] + 1,
-        240,
-        f"job {job}'s second attempt to train:\n{log_text(log)[-3000:]}",
-    )
-    cluster.cancel(job)
+    try:  # the job trains until cancelled: a failure here must not leave it running
+        first_end = wait_for(
+            lambda: cluster.job(job).get("EndTime") if "(restart 0)" in log_text(log) else None, 120, "start"
+        )
+        wait_for(lambda: int(cluster.job(job).get("Restarts", 0)) >= 1, 150, f"job {job} to requeue itself")
+        cluster.scontrol("update", f"jobid={job}", "TimeLimit=15")  # the test, not the limit, ends attempt 2
+        first = attempts(run_dir)[0]
+        assert first["status"] == "checkpointed" and first["reason"] == "deadline", first
+        assert first["ended"] < epoch(first_end), "the first attempt ended after the time limit"
+        wait_for(
+            lambda: "(restart 1)" in log_text(log) and last_step(run_dir) > first["step"] + 1,
+            240,
+            f"job {job}'s second attempt to train:\n{log_text(log)[-3000:]}",
+        )
+    finally:
+        cluster.cancel(job)
     record = cluster.wait(job, timeout=120)
 
     assert int(record["Restarts"]) >= 1
@@ -431,3 +433,14 @@ def test_deadline_reads_the_job_end_time_from_slurm(cluster, jobdir):
     start = epoch(record["StartTime"])
     assert int(m.group(1)) == int(start) + 7 * 60
     assert m.group(2) == f"Slurm job {job} end time"
+
+
+def test_stopping_the_cluster_cancels_its_jobs_first(cluster, jobdir):
+    """``SlurmCluster.stop`` (this module's teardown) cancels what is still queued before it stops the
+    daemons (``cancel_all``): a job step outlives slurmd, so a test that fails before it cancels its own
+    job would leave it running through the tests after it."""
+    job = cluster.sbatch([f"--output={jobdir}/sleep-%j.out", "--wrap=sleep 600"], env=job_env(cluster))
+    wait_for(lambda: cluster.job(job).get("JobState") == "RUNNING", 60, f"job {job} to start")
+    cluster.cancel_all()
+    assert cluster.queued() == []
+    assert cluster.job(job)["JobState"] == "CANCELLED"
