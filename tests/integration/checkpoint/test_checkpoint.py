@@ -178,11 +178,28 @@ LAYOUT_CHANGES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An uninterrupted run per distinct (processes, overrides), trained on first use and shared by the
+    cases that start from the same one (a launch is seconds of process start on 2 cores). The cases only
+    read it: they resume from its checkpoint into run dirs of their own."""
+    runs: dict[tuple, Path] = {}
+
+    def get(nproc: int, overrides: list[str]) -> Path:
+        key = (nproc, tuple(overrides))
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("uninterrupted")
+            run(nproc, [*overrides, f"run.dir={run_dir}"])
+            runs[key] = run_dir
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize("name,n_old,old,n_new,new", LAYOUT_CHANGES, ids=[c[0] for c in LAYOUT_CHANGES])
-def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builtin_cache):
+def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builtin_cache, uninterrupted):
     common = ["train.max_steps=12", f"data.cache_dir={builtin_cache}"]
-    before = tmp_path / "before"
-    run(n_old, [*common, *old, "checkpoint.interval=10", f"run.dir={before}"])
+    before = uninterrupted(n_old, [*common, *old, "checkpoint.interval=10"])
     after = tmp_path / "after"
     out = run(n_new, [*common, *new, f"train.resume={before}/checkpoints/step_00000010", f"run.dir={after}"])
     assert "resumed from" in out.stdout
