@@ -1,11 +1,34 @@
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 warnings.filterwarnings("ignore", module="megatron")
+
+# pytest-xdist (pyproject's addopts: ``-n auto --dist loadgroup``) runs the suite in a few worker processes:
+# one test launching processes leaves a core idle while its processes import or wait. Workers never split
+# a file: every test is in the xdist group of its file unless it names a group itself, so a module-scoped
+# fixture trains its run once, and tests that must not overlap (one private Slurm cluster, fixed ports)
+# stay in order on one worker. Tests of several files that share an expensive session fixture name one
+# group (``pytest.mark.xdist_group("...")``) to share one worker and the fixture.
+ROOT = Path(__file__).resolve().parent.parent
+MAX_WORKERS = 2
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most MAX_WORKERS (the multi-process tests start 2-4 processes
+    each; more workers only oversubscribe the cores). ``-n N`` or PYTEST_XDIST_AUTO_NUM_WORKERS override."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(Path(item.fspath).relative_to(ROOT).as_posix()))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Context parallelism in real multi-process worlds (gloo, CPU), against one process.
 
-Two launches of tests/workers/cp_runs.py check several layouts each:
+The two launches of tests/workers/layout_runs.py (conftest.py, shared with test_scale_out.py) check:
 
 * 2 ranks: CP=2 (checkpoint at step 5), CP=2 with document masking;
 * 4 ranks: TP2 x CP2 (+SP) gradients, plain and with packed documents, through the sdpa and the flash
@@ -15,75 +15,13 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from harness.multiproc import ROOT, TINY, assert_config_is_the_runs, launch_command, per_step, records
-from harness.multiproc import run as run_cmd
+from harness.layouts import GROUP, train_here
+from harness.multiproc import ROOT, assert_config_is_the_runs, per_step, records
 
-pytestmark = pytest.mark.slow
-
-WORKER = ROOT / "tests" / "workers" / "cp_runs.py"
-DOCS = "data.document_masking=true"
-
-
-def launch(nproc: int, out: Path, cache: Path, jobs: list[str]) -> None:
-    run_cmd(launch_command(nproc, [str(WORKER), str(out), str(cache), *jobs]), timeout=600)
-
-
-def train_here(cache: Path, run_dir: Path, *overrides: str) -> dict[int, tuple[float, int]]:
-    """One process, in this process's world: the single-process reference."""
-    from goat_dist.config import load_config
-    from goat_dist.trainer import Trainer
-
-    cfg = load_config(
-        None, [*TINY, "train.max_steps=10", f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides]
-    )
-    Trainer(cfg).fit()
-    return per_step(run_dir)
-
-
-@pytest.fixture(scope="module")
-def references(world1, builtin_cache, tmp_path_factory):
-    base = tmp_path_factory.mktemp("cp-ref")
-    return {
-        "plain": train_here(builtin_cache, base / "plain"),
-        "documents": train_here(builtin_cache, base / "documents", DOCS),
-    }
-
-
-@pytest.fixture(scope="module")
-def two_ranks(builtin_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp-2")
-    launch(
-        2,
-        out,
-        builtin_cache,
-        [
-            "train:cp2:parallel.cp=2,checkpoint.interval=5",
-            # the last step evaluates too: attention statistics are skipped under CP (README); compiled
-            # blocks (model.compile) with CP's attention eager between their graphs
-            f"train:cp2-docs:parallel.cp=2,{DOCS},train.eval_interval=10,train.eval_batches=1,model.compile=true",
-        ],
-    )
-    return out
-
-
-@pytest.fixture(scope="module")
-def four_ranks(builtin_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp-4")
-    launch(
-        4,
-        out,
-        builtin_cache,
-        [
-            "grads:2:2",
-            "train:cp2-tp2-sp:parallel.cp=2,parallel.tp=2,parallel.sp=true",
-            "train:cp2-dp2-zero2:parallel.cp=2,parallel.zero_stage=2",
-        ],
-    )
-    return out
+pytestmark = [pytest.mark.slow, GROUP]
 
 
 def assert_same_losses(name: str, got: dict, expected: dict) -> None:
@@ -106,13 +44,13 @@ def assert_same_losses(name: str, got: dict, expected: dict) -> None:
 )
 def test_context_parallel_losses_equal_one_process(request, references, launch_name, name, reference):
     out = request.getfixturevalue(launch_name)
-    assert_same_losses(name, per_step(out / name), references[reference])
+    assert_same_losses(name, per_step(out / name), per_step(references[reference]))
 
 
 def test_tp2_cp2_gradients_equal_single_process(world1, four_ranks):
     """TP2 x CP2 (+SP) gradients, sdpa and flash CP paths, plain rows and packed documents."""
     sys.path.insert(0, str(ROOT / "tests" / "workers"))
-    from cp_runs import document_batch
+    from layout_runs import document_batch
     from tp_grads import tiny_batch, tiny_config
 
     from goat_dist.model import GPT
@@ -143,7 +81,7 @@ def test_cp2_checkpoint_resumes_on_one_process(world1, builtin_cache, references
     assert sorted(got) == list(range(6, 11))
     assert assert_config_is_the_runs(tmp_path / "resumed")["parallel"]["cp"] == 1
     for step, (loss, fingerprint) in got.items():
-        ref, ref_fingerprint = references["plain"][step]
+        ref, ref_fingerprint = per_step(references["plain"])[step]
         assert fingerprint == ref_fingerprint, f"step {step}"
         assert abs(loss - ref) <= 1e-4 * ref, f"resumed step {step}: {loss} vs uninterrupted {ref}"
 

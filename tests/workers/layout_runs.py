@@ -1,6 +1,8 @@
-"""torchrun worker: several context-parallel checks in one world (one launch, several layouts).
+"""torchrun worker: several layouts checked in one world (one launch: a process start on 2 cores costs more
+than a tiny model's 10 steps). tests/integration/parallel/conftest.py launches it once with 2 ranks and
+once with 4.
 
-    cp_runs.py <out_dir> <cache_dir> <job> [<job> ...]
+    layout_runs.py <out_dir> <cache_dir> <job> [<job> ...]
 
 Jobs, run in order (megatron's groups are rebuilt when a job needs another TP/CP split):
 
@@ -8,10 +10,16 @@ Jobs, run in order (megatron's groups are rebuilt when a job needs another TP/CP
   with SP, for plain rows and for rows of packed documents, with the sdpa CP path and with the flash CP
   path (tests/harness/flash_standin.py, fp32); rank 0 saves the TP=1-shaped gradients and losses to
   ``<out_dir>/grads.pt``;
+* ``tpgrads:<position>``: tests/workers/tp_grads.py's forward/backward under TP=world with SP (no CP);
+  rank 0 saves the gradients and the count of TP-sum all-reduces to ``<out_dir>/tpgrads-<position>.pt``;
 * ``train:<name>:<override>,<override>...``: ``goat-dist train`` (the Trainer) on multiproc.TINY with
-  these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``.
+  these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``. Dynamo's caches are reset first,
+  so a compiled job compiles its own model (not past dynamo's recompile limit, into eager).
+
+A job that raises prints its name before the traceback.
 """
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -89,6 +97,25 @@ def grads(out: Path, tp: int, cp: int) -> None:
         torch.save(result, out / "grads.pt")
 
 
+def tp_grads(out: Path, position: str) -> None:
+    from tp_grads import TP_ALL_REDUCES, full_gradient, tiny_batch, tiny_config
+
+    from goat_dist.model import GPT
+    from goat_dist.parallel import model_parallel
+    from goat_dist.parallel.parallelize import add_tp_grad_allreduce
+
+    relayout(int(os.environ["WORLD_SIZE"]), 1)
+    cfg = tiny_config(position)
+    torch.manual_seed(0)
+    model = model_parallel.apply(GPT(cfg, sequence_parallel=True))
+    tp_sum = add_tp_grad_allreduce(model)
+    model(*tiny_batch(cfg)).backward()
+    grads = {name: full_gradient(p) for name, p in model.named_parameters()}
+    grads[TP_ALL_REDUCES] = torch.tensor(tp_sum.all_reduces if tp_sum else 0)
+    if torch.distributed.get_rank() == 0:
+        torch.save(grads, out / f"tpgrads-{position}.pt")
+
+
 def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
     from harness.multiproc import TINY
 
@@ -100,6 +127,7 @@ def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
         [*TINY, "train.max_steps=10", f"data.cache_dir={cache}", f"run.dir={out / name}", *overrides],
     )
     relayout(cfg.parallel.tp, cfg.parallel.cp)
+    torch._dynamo.reset()
     Trainer(cfg).fit()
 
 
@@ -107,14 +135,20 @@ def main(out: str, cache: str, jobs: list[str]) -> None:
     out_dir = Path(out)
     for job in jobs:
         kind, _, rest = job.partition(":")
-        if kind == "grads":
-            tp, cp = (int(x) for x in rest.split(":"))
-            grads(out_dir, tp, cp)
-        elif kind == "train":
-            name, _, overrides = rest.partition(":")
-            train(out_dir, cache, name, [o for o in overrides.split(",") if o])
-        else:
-            raise SystemExit(f"unknown job {job!r}")
+        try:
+            if kind == "grads":
+                tp, cp = (int(x) for x in rest.split(":"))
+                grads(out_dir, tp, cp)
+            elif kind == "tpgrads":
+                tp_grads(out_dir, rest)
+            elif kind == "train":
+                name, _, overrides = rest.partition(":")
+                train(out_dir, cache, name, [o for o in overrides.split(",") if o])
+            else:
+                raise SystemExit(f"unknown job {job!r}")
+        except BaseException:
+            print(f"layout_runs: job {job!r} failed on rank {os.environ.get('RANK')}", file=sys.stderr)
+            raise
         torch.distributed.barrier()
     distributed.exit_process(0)
 
