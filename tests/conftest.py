@@ -8,14 +8,35 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 warnings.filterwarnings("ignore", module="megatron")
 
-# pytest-xdist (pyproject's addopts: ``-n auto --dist loadgroup``) runs the suite in a few worker processes:
-# one test launching processes leaves a core idle while its processes import or wait. Workers never split
-# a file: every test is in the xdist group of its file unless it names a group itself, so a module-scoped
-# fixture trains its run once, and tests that must not overlap (one private Slurm cluster, fixed ports)
-# stay in order on one worker. Tests of several files that share an expensive session fixture name one
-# group (``pytest.mark.xdist_group("...")``) to share one worker and the fixture.
+# pytest-xdist (pyproject's addopts: ``-n auto --dist loadfile --no-loadscope-reorder``) runs the suite in a
+# few worker processes: a test that launches processes leaves a core idle while they import or wait. A
+# worker takes a whole group of tests at a time: a file, or the files SHARED_GROUPS joins because they share
+# an expensive session fixture. So a module or session fixture trains its run once, and tests that must not
+# overlap (one private Slurm cluster, fixed ports) run one after the other on one worker. (xdist's own
+# ``xdist_group`` mark is not used: xdist 3.8 marks a group by rewriting ``item._nodeid``, which pytest 9.2
+# no longer reads, so such groups split silently.)
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKERS = 2
+SHARED_GROUPS = {
+    # the layouts' 2- and 4-rank launches and references (tests/integration/parallel/conftest.py)
+    "tests/integration/parallel/test_scale_out.py": "parallel-layouts",
+    "tests/integration/parallel/test_context_parallel_runs.py": "parallel-layouts",
+}
+# The groups that take longest start first, so that none of them is left running alone at the end; the
+# others follow in file order (tests/unit's many short files last). Seconds measured on 2 cores, cold.
+LONGEST_FIRST = (
+    "tests/integration/checkpoint/test_checkpoint.py",  # ~290 s: ~40 launches of 1-4 processes
+    "tests/integration/kernels/test_fa4_compile.py",  # ~240 s: two processes compiling FA4's kernels
+    "tests/integration/slurm/test_slurm.py",  # ~170 s: jobs on a private Slurm cluster
+    "parallel-layouts",  # ~90 s: tests/integration/parallel/, a 2-rank and a 4-rank launch
+    "tests/integration/core/test_hangs.py",  # ~70 s, most of it waiting for a collective's timeout
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, or the shared group its file is in."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_GROUPS.get(path, path)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -24,11 +45,20 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups (``group_of``) to one worker each, in the order of the collection."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(Path(item.fspath).relative_to(ROOT).as_posix()))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session")

@@ -6,20 +6,18 @@ the other, 10 steps of multiproc.TINY each, and save the TP-sharded gradient che
 of one per layout (a process start on 2 cores costs more than a tiny model's 10 steps). The single-process
 references train in this process's world (``world1``). The tests only read what these fixtures wrote.
 
-Both modules are in one xdist group (GROUP), so one worker runs them and trains each fixture once.
+Both modules are one xdist work unit (tests/conftest.py's SHARED_GROUPS): one worker runs them and trains
+each fixture once.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from .multiproc import ROOT, TINY, launch_command, per_step, records
 from .multiproc import run as run_cmd
 
 WORKER = ROOT / "tests" / "workers" / "layout_runs.py"
-GROUP = pytest.mark.xdist_group("parallel-layouts")  # both modules' pytestmark
 DOCS = "data.document_masking=true"
 BF16 = "train.precision=bf16"
 

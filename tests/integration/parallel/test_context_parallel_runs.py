@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
-from harness.layouts import GROUP, train_here
+from harness.layouts import train_here
 from harness.multiproc import ROOT, assert_config_is_the_runs, per_step, records
 
-pytestmark = [pytest.mark.slow, GROUP]
+pytestmark = pytest.mark.slow
 
 
 def assert_same_losses(name: str, got: dict, expected: dict) -> None:

@@ -19,11 +19,11 @@ import sys
 
 import pytest
 import torch
-from harness.layouts import FOUR_RANK_JOBS, GROUP, REFERENCE, TWO_RANK_JOBS, losses_and_norms
+from harness.layouts import FOUR_RANK_JOBS, REFERENCE, TWO_RANK_JOBS, losses_and_norms
 from harness.multiproc import ROOT, goat_train_command, per_step
 from harness.multiproc import run as run_cmd
 
-pytestmark = [pytest.mark.slow, GROUP]
+pytestmark = pytest.mark.slow
 
 # every layout of the two launches (tests/integration/parallel/conftest.py) but context parallelism's
 # (test_context_parallel_runs.py) and bf16's (below)
