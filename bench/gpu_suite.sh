@@ -70,7 +70,8 @@ if [[ -n "$TORCH_PIN" ]]; then INSTALL_CMD+=(-c "$CONSTRAINTS"); fi
 INSTALL_CMD+=("${REQS[@]}")
 TRAIN_CMD=("$PY" bench/gpu_train.py --out "$OUT_DIR")
 TP2_CMD=("$PY" bench/gpu_tp2.py --out "$OUT_DIR")
-TESTS_CMD=("$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_suite_script.py)
+# one process on the GPU (pyproject's addopts start pytest-xdist workers, which the device may not have)
+TESTS_CMD=("$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider -p no:xdist -o addopts= --ignore=tests/gpu/test_suite_script.py)
 # shellcheck disable=SC2206  # GOAT_ATTENTION_ARGS is a list of flags
 BENCH_CMD=("$PY" bench/gpu_attention.py --out "$OUT_DIR" ${GOAT_ATTENTION_ARGS:-})
 

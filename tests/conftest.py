@@ -39,21 +39,31 @@ def group_of(nodeid: str) -> str:
     return SHARED_GROUPS.get(path, path)
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker per core, at most MAX_WORKERS (the multi-process tests start 2-4 processes
-    each; more workers only oversubscribe the cores). ``-n N`` or PYTEST_XDIST_AUTO_NUM_WORKERS override."""
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+class XdistHooks:
+    """pytest-xdist's hooks, registered only where xdist is (``-p no:xdist`` and a bare pytest work too:
+    ``bench/gpu_suite.sh`` runs tests/gpu in one process)."""
+
+    @staticmethod
+    def pytest_xdist_auto_num_workers(config):
+        """``-n auto``: one worker per core, at most MAX_WORKERS (the multi-process tests start 2-4
+        processes each; more workers only oversubscribe the cores). ``-n N`` overrides it."""
+        return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """Whole groups (``group_of``) to one worker each, in the order of the collection."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class GroupScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return group_of(nodeid)
+
+        return GroupScheduling(config, log)
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """Whole groups (``group_of``) to one worker each, in the order of the collection."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid)
-
-    return GroupScheduling(config, log)
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistHooks(), "goat-dist-xdist-hooks")
 
 
 def pytest_collection_modifyitems(config, items):
