@@ -74,15 +74,20 @@ def train_jobs(jobs: dict[str, list[str]]) -> list[str]:
     return [f"train:{name}:{','.join(overrides)}" for name, overrides in jobs.items()]
 
 
-def train_here(cache: Path, run_dir: Path, *overrides: str) -> dict[int, tuple[float, int]]:
-    """One process, in this process's world: a single-process reference (10 steps of TINY)."""
+def layout_config(cache: Path | str, run_dir: Path, *overrides: str):
+    """The config every layout and reference trains: 10 steps of TINY; later overrides win."""
     from goat_dist.config import load_config
-    from goat_dist.trainer import Trainer
 
-    cfg = load_config(
+    return load_config(
         None, [*TINY, "train.max_steps=10", f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides]
     )
-    Trainer(cfg).fit()
+
+
+def train_here(cache: Path, run_dir: Path, *overrides: str) -> dict[int, tuple[float, int]]:
+    """One process, in this process's world: a single-process reference."""
+    from goat_dist.trainer import Trainer
+
+    Trainer(layout_config(cache, run_dir, *overrides)).fit()
     return per_step(run_dir)
 
 

@@ -117,15 +117,11 @@ def tp_grads(out: Path, position: str) -> None:
 
 
 def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
-    from harness.multiproc import TINY
+    from harness.layouts import layout_config
 
-    from goat_dist.config import load_config
     from goat_dist.trainer import Trainer
 
-    cfg = load_config(
-        None,
-        [*TINY, "train.max_steps=10", f"data.cache_dir={cache}", f"run.dir={out / name}", *overrides],
-    )
+    cfg = layout_config(cache, out / name, *overrides)
     relayout(cfg.parallel.tp, cfg.parallel.cp)
     torch._dynamo.reset()
     Trainer(cfg).fit()
