@@ -54,12 +54,13 @@ FOUR_RANK_JOBS = {
     **{f"tp2xdp2-zero{z}": ["parallel.tp=2", f"parallel.zero_stage={z}"] for z in (1, 2, 3)},
     "bf16-tp2xdp2-zero2": [BF16, "parallel.tp=2", "parallel.zero_stage=2"],
 }
+JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}  # name -> overrides
 # the single-process run each layout is compared with
 REFERENCE = {
     "cp2-docs": "documents",
     "tp2-rope": "rope",
     "tp2-alibi": "alibi",
-    **{name: "bf16" for name in [*TWO_RANK_JOBS, *FOUR_RANK_JOBS] if name.startswith("bf16-")},
+    **{name: "bf16" for name in JOBS if name.startswith("bf16-")},
 }
 REFERENCES = {"plain": [], "documents": [DOCS], "rope": ["model.position=rope"],
               "alibi": ["model.position=alibi"], "bf16": [BF16]}  # fmt: skip

@@ -13,8 +13,10 @@ Jobs, run in order (megatron's groups are rebuilt when a job needs another TP/CP
 * ``tpgrads:<position>``: tests/workers/tp_grads.py's forward/backward under TP=world with SP (no CP);
   rank 0 saves the gradients and the count of TP-sum all-reduces to ``<out_dir>/tpgrads-<position>.pt``;
 * ``train:<name>:<override>,<override>...``: ``goat-dist train`` (the Trainer) on multiproc.TINY with
-  these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``. Dynamo's caches are reset first,
-  so a compiled job compiles its own model (not past dynamo's recompile limit, into eager).
+  these overrides for 10 steps; metrics.jsonl in ``<out_dir>/<name>``. Dynamo's caches and counters are
+  reset first, and rank 0 writes the number of graphs dynamo compiled during the job to
+  ``<out_dir>/<name>/dynamo_graphs``: the tests hold a compiled layout to having compiled its own blocks
+  (one process trains several models, and a frame past dynamo's recompile limit runs eagerly).
 
 A job that raises prints its name before the traceback.
 """
@@ -118,13 +120,17 @@ def tp_grads(out: Path, position: str) -> None:
 
 def train(out: Path, cache: str, name: str, overrides: list[str]) -> None:
     from harness.layouts import layout_config
+    from torch._dynamo.utils import counters
 
     from goat_dist.trainer import Trainer
 
     cfg = layout_config(cache, out / name, *overrides)
     relayout(cfg.parallel.tp, cfg.parallel.cp)
     torch._dynamo.reset()
+    counters.clear()
     Trainer(cfg).fit()
+    if torch.distributed.get_rank() == 0:
+        (out / name / "dynamo_graphs").write_text(f"{counters['stats']['unique_graphs']}\n")
 
 
 def main(out: str, cache: str, jobs: list[str]) -> None:

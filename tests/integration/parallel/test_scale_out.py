@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from harness.layouts import FOUR_RANK_JOBS, REFERENCE, TWO_RANK_JOBS, losses_and_norms
+from harness.layouts import JOBS, REFERENCE, losses_and_norms
 from harness.multiproc import ROOT, goat_train_command, per_step
 from harness.multiproc import run as run_cmd
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 # every layout of the two launches (tests/integration/parallel/conftest.py) but context parallelism's
 # (test_context_parallel_runs.py) and bf16's (below)
-LAYOUTS = [n for n in [*TWO_RANK_JOBS, *FOUR_RANK_JOBS] if not n.startswith(("cp2", "bf16-"))]
+LAYOUTS = [n for n in JOBS if not n.startswith(("cp2", "bf16-"))]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -42,9 +42,20 @@ def test_layout_matches_single_process(name, references, layout_run):
     assert expected[10][0] < expected[1][0]  # it is training, not comparing constants
 
 
+COMPILED = [n for n in JOBS if "model.compile=true" in JOBS[n]]
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_layouts_compile_their_own_blocks(name, layout_run):
+    """Several models train in one process of the shared launch: each compiled layout compiled graphs of
+    its own (dynamo's caches reset before it), rather than running eagerly past the recompile limit."""
+    graphs = int((layout_run(name) / "dynamo_graphs").read_text())
+    assert graphs > 0, f"{name}: dynamo compiled no graph"
+
+
 BF16_LOSS_RTOL = 2e-4
 BF16_GRAD_NORM_RTOL = 2e-2
-BF16_LAYOUTS = [n for n in [*TWO_RANK_JOBS, *FOUR_RANK_JOBS] if n.startswith("bf16-")]
+BF16_LAYOUTS = [n for n in JOBS if n.startswith("bf16-")]
 
 
 @pytest.mark.parametrize("name", BF16_LAYOUTS)
