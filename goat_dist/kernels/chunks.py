@@ -20,7 +20,7 @@ import torch
 from .fa2 import flash2_module, flash_attention
 from .fa4 import flash4_attention, flash4_varlen
 from .layout import fa2_ready, pad_v
-from .masks import alibi_bias
+from .masks import alibi_bias, host_segments
 from .sdpa import eager_attention, sdpa_call
 
 
@@ -72,13 +72,15 @@ def _varlen_index(shard, start: int, B: int, c: int, L: int, device):
     dK/dV with ``torch.empty_like`` (``_flash_attn_bwd``) and writes only rows inside a sequence, so the
     key rows between sequences would carry garbage gradients.
 
-    It needs the host (document boundaries), so it is computed once per forward and chunk and kept on
-    the shard, which every layer shares (one host sync per chunk and micro-batch, not per layer)."""
+    It needs the document boundaries on the host: computed from the host copy of the segments
+    (``masks.host_segments``: no further read after ``document_segments``'), once per forward and chunk,
+    and kept on the shard, which every layer shares."""
     cache = shard.__dict__.setdefault("_varlen", {})
     if (start, c, L) in cache:
         return cache[(start, c, L)]
-    seg_q = shard.segments[:, start : start + c]
-    seg_k = shard.segments[:, : start + c].contiguous()
+    host = host_segments(shard.segments)  # the documents, read once per micro-batch
+    seg_q = host[:, start : start + c]
+    seg_k = host[:, : start + c].contiguous()
     runs, cu_q, cu_k = [], [0], [0]
     for b in range(B):
         docs, counts = torch.unique_consecutive(seg_q[b], return_counts=True)

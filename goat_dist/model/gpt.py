@@ -264,9 +264,9 @@ class GPT(nn.Module):
         more than its partitions plus one part's whole tensors. The values do not depend on it.
 
         ``documents``: whether positions may restart inside a row (packed documents,
-        ``data.document_masking``). The forward then finds the documents, which reads one value on the
-        host per micro-batch (``kernels.document_segments``); False skips that and its sync: every row
-        is one sequence."""
+        ``data.document_masking``). The forward then finds the documents, which reads the positions on
+        the host once per micro-batch (``kernels.document_segments``); False skips that and its sync:
+        every row is one sequence."""
         super().__init__()
         layout = current_layout() if layout is None else layout
         tp, tp_rank, tp_group = layout.tp, layout.tp_rank, layout.tp_group
@@ -343,7 +343,9 @@ class GPT(nn.Module):
         whole rows define (document segments, GOAT's origin) and the CP group."""
         x = self.embedding(tokens)  # [b, s, h], all-reduced over TP
         if self.pos_embedding is not None:
-            if int(position_ids.max()) >= self.cfg.seq_len:
+            # checked where it costs no host sync (positions on the host); on a GPU the embedding's
+            # own bounds check stops an out-of-range position
+            if position_ids.device.type == "cpu" and int(position_ids.max()) >= self.cfg.seq_len:
                 raise ValueError(f"learned positions stop at model.seq_len={self.cfg.seq_len}")
             x = x + self.pos_embedding(position_ids)
         x = x.transpose(0, 1).contiguous()

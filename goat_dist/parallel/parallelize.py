@@ -33,6 +33,7 @@ __all__ = [
     "TPGradSum",
     "add_tp_grad_allreduce",
     "parallelize",
+    "prepare",
     "prior_params",
     "tp_partial_grad_params",
 ]
@@ -48,12 +49,7 @@ def parallelize(model: GPT, cfg: Config, grad_accum: int):
     ``model`` may have been built already partitioned (ZeRO-3, ``engine.construct.partition_as_built``):
     its parameters are then placeholders, so the optimizer's groups read their shapes as the model
     defines them, and the engine takes the partitions as they are."""
-    model_parallel.apply(
-        model,
-        activation_checkpointing=cfg.train.activation_checkpointing,
-        compile=model_parallel.resolve_compile(cfg.model.compile),
-    )
-    tp_sum = add_tp_grad_allreduce(model)
+    tp_sum = prepare(model, cfg)
     optimizer, scheduler = build_optimizer(model, cfg.train, shape_of=full_shape)
     return build_engine(
         model,
@@ -66,6 +62,18 @@ def parallelize(model: GPT, cfg: Config, grad_accum: int):
         fp32_attr=FP32_FORWARD,
         held_hooks=tp_sum.held if tp_sum is not None else None,
     )
+
+
+def prepare(model: GPT, cfg: Config, compile: bool | None = None) -> TPGradSum | None:
+    """The model set up to run in its layout (SP, CP, activation checkpointing, ``model.compile`` unless
+    ``compile`` says otherwise) and its TP gradient sum registered: all of ``parallelize`` but the
+    optimizer and the engine (the rehearsal, ``goat_dist.rehearsal``, stands in for those)."""
+    model_parallel.apply(
+        model,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        compile=model_parallel.resolve_compile(cfg.model.compile) if compile is None else compile,
+    )
+    return add_tp_grad_allreduce(model)
 
 
 def prior_params(model: nn.Module) -> list[nn.Parameter]:

@@ -2,6 +2,7 @@
 
 goat-dist plan --config configs/models/goat_1.3b.yaml --nodes 1 --gpus-per-node 8 --gpu h100-80gb
 goat-dist plan --config configs/models/goat_6.7b.yaml --nodes 8 --materialize parallel.tp=8
+goat-dist plan --config configs/models/goat_30b.yaml --nodes 64 --rehearse --layers 2
 """
 
 from __future__ import annotations
@@ -38,7 +39,27 @@ def cmd_plan(args) -> int:
         except (PlanError, DryRunError) as e:
             print(f"goat-dist plan: {e}", file=sys.stderr)
             return 2
+    if args.rehearse:
+        print()
+        return rehearse_command(cfg, args, plan["layout"]["world"], device)
     return 0
+
+
+def rehearse_command(cfg, args, world: int, device) -> int:
+    """``--rehearse``: the report, and exit 0 only when the rehearsal is clean (2 names every fault)."""
+    from pathlib import Path
+
+    from ..rehearsal import rehearse
+    from ..rehearsal.rank import RehearsalError
+    from ..rehearsal.run import format_rehearsal
+
+    try:
+        result = rehearse(cfg, world, device, rank=args.rank, layers=args.layers, name=Path(args.config).name)
+    except (RehearsalError, ValueError) as e:
+        print(f"goat-dist plan: {e}", file=sys.stderr)
+        return 2
+    print(format_rehearsal(result), flush=True)
+    return 0 if result.clean else 2
 
 
 def register(sub) -> None:
@@ -63,5 +84,20 @@ def register(sub) -> None:
         "--materialize",
         action="store_true",
         help="also build every TP rank's real model and optimizer on the meta device in a fake world",
+    )
+    p.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run one rank's real training step at this world size on the CPU, the GPU stood in by the meta "
+        "device, and fail on placement faults, host syncs, kernel refusals and rank-conditional collectives",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank to rehearse (default: the last, which holds the most)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="rehearse a cut model of this many blocks (default: all)"
     )
     p.set_defaults(func=cmd_plan)

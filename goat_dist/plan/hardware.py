@@ -25,6 +25,7 @@ class GPU:
     hbm_tb_s: float
     nvlink_gb_s: float  # per GPU, per direction
     network_gb_s: float  # per GPU, per direction, between nodes
+    capability: tuple[int, int] = (9, 0)  # CUDA compute capability: which attention kernels it runs
 
     @property
     def peak_bf16(self) -> float:
@@ -40,11 +41,11 @@ class GPU:
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", "NVIDIA A100-SXM4-40GB", 39.4, 1.555, 300, 25),
-        GPU("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.2, 2.039, 300, 25),
-        GPU("h100-80gb", "NVIDIA H100 80GB HBM3", 79.6, 3.35, 450, 50),
-        GPU("h200", "NVIDIA H200", 139.8, 4.8, 450, 50),
-        GPU("b200", "NVIDIA B200", 178.4, 8.0, 900, 50),
+        GPU("a100-40gb", "NVIDIA A100-SXM4-40GB", 39.4, 1.555, 300, 25, (8, 0)),
+        GPU("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.2, 2.039, 300, 25, (8, 0)),
+        GPU("h100-80gb", "NVIDIA H100 80GB HBM3", 79.6, 3.35, 450, 50, (9, 0)),
+        GPU("h200", "NVIDIA H200", 139.8, 4.8, 450, 50, (9, 0)),
+        GPU("b200", "NVIDIA B200", 178.4, 8.0, 900, 50, (10, 0)),
     )
 }
 

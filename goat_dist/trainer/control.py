@@ -129,6 +129,20 @@ def agree(
     )
 
 
+def quiet_vector() -> list[float]:
+    """The reduced vector of a step with nothing to report: finite, readable, no signal or request. What a
+    rehearsal on the meta device (``goat_dist.rehearsal``) answers for the step's host read, which has no
+    data there."""
+    values = dict.fromkeys(_VECTOR_ORDER, 0.0)
+    values["valid_labels"] = float(2**40)  # readable labels, whatever the peers it is divided by
+    return [values[k] for k in _VECTOR_ORDER]
+
+
+def is_control_vector(t: torch.Tensor) -> bool:
+    """Whether ``t`` has the shape and dtype of the step's reduced vector."""
+    return t.dtype == torch.float64 and tuple(t.shape) == (len(_VECTOR_ORDER),)
+
+
 def _stop_reason(values: dict, signal, stop) -> str | None:
     """This rank's own cause (a signal's name, a request's reason), else that another rank had one."""
     for key, mine, what in (("signal", signal, "signal"), ("stop", stop, "stop requested")):
