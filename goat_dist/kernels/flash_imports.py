@@ -28,8 +28,8 @@ COINSTALL_FIX = (
 def _flash_attn():
     """The ``flash_attn`` module, or None. Decided by importing: a kernel-less install can have a spec.
 
-    Cached; tests put a CPU stand-in in ``sys.modules["flash_attn"]`` and clear this cache
-    (``tests/harness/flash_standin.py``), so the flash paths run without CUDA.
+    Cached; the stand-in (``flash_standin.installed``: the rehearsal, CPU tests) puts itself in
+    ``sys.modules["flash_attn"]`` and clears this cache, so the flash paths run without CUDA.
     """
     try:
         import flash_attn
@@ -45,8 +45,7 @@ _FLASH4_IMPORT_ERROR: list[str] = []  # why flash_attn.cute is not usable (for t
 @functools.cache
 def _flash_attn_cute():
     """FlashAttention-4's ``flash_attn.cute.interface`` module, or None (cached, like ``_flash_attn``;
-    ``tests/harness/flash4_standin.py`` installs a CPU stand-in there). The PyPI package is
-    ``flash-attn-4``."""
+    ``flash4_standin.installed`` puts the stand-in there). The PyPI package is ``flash-attn-4``."""
     _FLASH4_IMPORT_ERROR.clear()
     try:
         interface = importlib.import_module("flash_attn.cute.interface")

@@ -15,7 +15,7 @@ inputs require grad (training), ``_flash_attn_bwd`` with the arguments FA4's aut
 The cases come from ``configs/**/*.yaml`` (a study config's runs included) and the library API at
 those configs' head dims and GQA ratios, so a new config is covered without editing this file.
 
-The same process also holds the CPU stand-in (``tests/harness/flash4_standin.py``) to the real interface's
+The same process also holds the stand-in (``goat_dist/kernels/flash4_standin.py``) to the real interface's
 argument checks (``fa4_interface.argument_rules``): calls that each break one rule (cu_seqlens dtype,
 contiguity and length, dtypes, head counts, shapes, head dims) must be refused by both. Those checks run
 before any kernel is built, so they cost no compile time.

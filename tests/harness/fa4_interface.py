@@ -188,13 +188,14 @@ def _rule_cases(arch: int):
 
 
 def argument_rules(real, arch: int) -> list[dict]:
-    """Each rule-breaking call through the stand-in (``tests/harness/flash4_standin.py``, 16-bit inputs only,
-    playing ``arch``) and through the real ``_flash_attn_fwd`` on fake CUDA tensors: whether each refuses,
-    and with what. The real checks run before anything compiles, so this costs no kernel build; a call
-    the real interface would accept is not run there (it would compile) but recorded as accepted."""
+    """Each rule-breaking call through the stand-in (``goat_dist/kernels/flash4_standin.py``, 16-bit inputs
+    only, playing ``arch``; its refusal's ``rule``, the real interface's words) and through the real
+    ``_flash_attn_fwd`` on fake CUDA tensors: whether each refuses, and with what. The real checks run before
+    anything compiles, so this costs no kernel build; a call the real interface would accept is not run there
+    (it would compile) but recorded as accepted."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from harness.flash4_standin import Flash4Standin
+    from goat_dist.kernels.flash4_standin import Flash4Standin, KernelRefusal
 
     standin = Flash4Standin(arch=arch)
     records = []
@@ -204,6 +205,8 @@ def argument_rules(real, arch: int) -> list[dict]:
         try:
             call(q, k, v, causal=True, softmax_scale=0.125, **options)
             record["standin"] = None
+        except KernelRefusal as exc:  # its rule: the real interface's words, without the kernel's name
+            record["standin"] = f"{type(exc).__name__}: {exc.rule}"
         except Exception as exc:  # noqa: BLE001 - the refusal is the record
             record["standin"] = _first_line(exc)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
