@@ -62,6 +62,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     exit_process(process_exit_code(state))
 
 
+def _plan_rehearsal(*args) -> int:
+    """``goat-dist plan --rehearse`` (``rehearsal`` sits above ``plan``: handed over, imported when run)."""
+    from .rehearsal.commands import plan_rehearsal
+
+    return plan_rehearsal(*args)
+
+
+def _doctor_rehearsal(*args) -> None:
+    """``goat-dist doctor``'s rehearsal check (``rehearsal.commands.doctor_check``), imported when run."""
+    from .rehearsal.commands import doctor_check
+
+    doctor_check(*args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="goat-dist", description="Pretrain decoder LMs with GOAT attention priors."
@@ -81,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     register_ckpt(sub)
     from .doctor import register as register_doctor
 
-    register_doctor(sub)
+    register_doctor(sub, rehearse=_doctor_rehearsal)
     from .evaluation.commands import register as register_eval
 
     register_eval(sub)  # eval ppl | eval passkey | study
     from .plan.commands import register as register_plan
 
-    register_plan(sub)
+    register_plan(sub, rehearse=_plan_rehearsal)
     return parser
 
 

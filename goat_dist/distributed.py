@@ -274,24 +274,29 @@ def current_layout() -> Layout:
     )
 
 
-def init_fake(rank: int, world: int, tp: int) -> Layout:
+def init_fake(rank: int, world: int, tp: int, cp: int = 1, backend: str = "fake") -> Layout:
     """Rank ``rank`` of a fake world of ``world`` processes (torch's "fake" backend: collectives do
-    nothing), for building one rank's model shapes on the meta device (the planner's dry run). Undone by
-    ``teardown_fake``."""
+    nothing; or a registered ``backend`` of the same kind, such as the rehearsal's recording one), for
+    building or running one rank's model on the meta device (the planner's dry run, the rehearsal), with
+    megatron's TP/CP/DP groups as ``init`` makes them. Undone by ``teardown_fake``."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     # megatron's extra gloo groups cannot be created on a fake world (and are not needed to build)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
+    )
     return current_layout()
 
 
 def teardown_fake() -> None:
     from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # what a collective says when a peer stopped answering (gloo's timeout and reset texts, NCCL's watchdog)

@@ -110,7 +110,7 @@ run_step() {
 }
 
 log "preflight: goat-dist doctor"
-run_step "${TORCHRUN[@]}" -m goat_dist.doctor --config "$CONFIG" "${OVERRIDES[@]}"
+run_step "${TORCHRUN[@]}" -m goat_dist doctor --config "$CONFIG" "${OVERRIDES[@]}"
 [[ -z "$STOP_SIGNAL" ]] || die 75 "stopped by SIG$STOP_SIGNAL before training started"
 [[ $STEP_RC -eq 0 ]] || die 1 "preflight failed (exit $STEP_RC): see the goat-dist doctor FAIL lines above"
 

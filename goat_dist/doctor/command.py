@@ -20,10 +20,12 @@ from .storage import check_run_dir_local, check_write_bandwidth
 
 
 def run_doctor(
-    cfg, nbytes: int, iters: int, timeout_s: float, environ=os.environ, write_bytes: int = 0
+    cfg, nbytes: int, iters: int, timeout_s: float, environ=os.environ, write_bytes: int = 0, rehearse=None
 ) -> int:
     """All checks on this rank; returns the exit status (0: all passed on every rank). ``write_bytes``:
-    the size of rank 0's write-bandwidth probe (0: not measured)."""
+    the size of rank 0's write-bandwidth probe (0: not measured). ``rehearse``: the rehearsal check
+    (``rehearsal.commands.doctor_check(report, cfg, environ)``, run before any process group exists), or
+    None to skip it."""
     import torch.distributed as dist
 
     started = time.perf_counter()
@@ -35,6 +37,8 @@ def run_doctor(
     run_dir = cfg.run_dir.expanduser().resolve()
 
     device = check_devices(report, environ, local_rank, local_world)
+    if rehearse is not None:
+        rehearse(report, cfg, environ)
     writable = True
     if local_rank == 0:  # once per node: node-local views of shared file systems
         writable = check_run_dir_local(report, run_dir)
@@ -93,10 +97,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if write_mb < 0:
         print(f"goat-dist doctor: --write-mb must be >= 0, got {write_mb:g}", file=sys.stderr)
         return 2
-    return run_doctor(cfg, nbytes, args.iters, args.timeout, write_bytes=int(write_mb * 2**20))
+    rehearse = getattr(args, "rehearse_hook", None)
+    if args.rehearse == "off" or (args.rehearse == "auto" and not cuda):
+        rehearse = None
+    elif rehearse is None and args.rehearse == "on":
+        print(
+            "goat-dist doctor: --rehearse on needs the goat-dist command line (goat-dist doctor)",
+            file=sys.stderr,
+        )
+        return 2
+    return run_doctor(
+        cfg, nbytes, args.iters, args.timeout, write_bytes=int(write_mb * 2**20), rehearse=rehearse
+    )
 
 
-def register(sub) -> None:
+def register(sub, rehearse=None) -> None:
+    """The ``doctor`` command; ``rehearse``: its rehearsal check (``rehearsal.commands.doctor_check``, handed
+    over by ``cli``, a floor above this package; ``python -m goat_dist.doctor`` runs without it)."""
     p = sub.add_parser(
         "doctor",
         help="preflight: devices, all-reduce bandwidth, run dir, data, disk, write bandwidth (exit 1 naming "
@@ -117,7 +134,14 @@ def register(sub) -> None:
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for all ranks to join (default 300)"
     )
-    p.set_defaults(func=cmd_doctor)
+    p.add_argument(
+        "--rehearse",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="rehearse this node's last rank's training step (goat-dist plan --rehearse, a 2-block cut) "
+        "before the other checks: auto (default) on a GPU node, on, off",
+    )
+    p.set_defaults(func=cmd_doctor, rehearse_hook=rehearse)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-CHECKS = ("devices", "rendezvous", "all-reduce", "run dir", "data", "disk", "write")
+CHECKS = ("devices", "rendezvous", "all-reduce", "run dir", "data", "disk", "write", "rehearsal")
 
 
 def _human(n: float) -> str:

@@ -33,6 +33,7 @@ class ParallelSelfAttention(nn.Module):
         self.group = heads // kv_heads
         # auto passes over a kernel that cannot run this position scheme or head size (flash4: ALiBi)
         self.backend = resolve_backend(cfg.attention_backend, position=cfg.position, head_dim=self.head_dim)
+        self.auto = cfg.attention_backend == "auto"
         self.position = build_position(cfg, head_dim=self.head_dim, tp=tp, tp_rank=tp_rank)
         self.prior = self.position.prior  # GOAT's parameters (None for the other schemes)
         if self.prior is not None:
@@ -97,20 +98,27 @@ class ParallelSelfAttention(nn.Module):
         each local chunk attending its key prefix (``parallel.context.attend_context``). Eager inside a
         compiled block: dynamo cannot trace the K/V all-gather's process group."""
         return _eager_attend_context(
-            q, k, v, position_ids, shard, position=self.position, backend=self.backend
+            q, k, v, position_ids, shard, position=self.position, backend=self.kernel_for(q.dtype)
         )
 
+    def kernel_for(self, dtype: torch.dtype) -> str:
+        """The kernel for inputs of ``dtype``: the resolved backend, except that ``auto`` runs fp32 inputs
+        (an fp32 run, or an fp32 evaluation) on SDPA, since FlashAttention takes 16-bit inputs only."""
+        if self.auto and dtype == torch.float32 and self.backend in FLASH_KERNELS:
+            return "sdpa"
+        return self.backend
+
     def _attend(self, q, k, v, position_ids, segments=None, origin=None):
-        q, k, scale, extra = self.position.kernel_inputs(
-            q, k, position_ids, backend=self.backend, origin=origin
-        )
-        call = attend if self.backend in TRACEABLE else _eager_attend
-        return call(q, k, v, causal=True, scale=scale, backend=self.backend, segments=segments, **extra)
+        backend = self.kernel_for(q.dtype)
+        q, k, scale, extra = self.position.kernel_inputs(q, k, position_ids, backend=backend, origin=origin)
+        call = attend if backend in TRACEABLE else _eager_attend
+        return call(q, k, v, causal=True, scale=scale, backend=backend, segments=segments, **extra)
 
 
 # Kernels torch.compile traces (model.compile); FlashAttention's (flash4: CuTe-DSL JIT code, flash: an
 # extension that reads host values for packed documents) and context parallelism's attention run eagerly
 # between two compiled graphs.
 TRACEABLE = ("sdpa", "eager")
+FLASH_KERNELS = ("flash4", "flash")  # 16-bit inputs only
 _eager_attend = torch.compiler.disable(attend)
 _eager_attend_context = torch.compiler.disable(attend_context)

@@ -40,29 +40,19 @@ def cmd_plan(args) -> int:
             print(f"goat-dist plan: {e}", file=sys.stderr)
             return 2
     if args.rehearse:
+        if args.rehearse_hook is None:
+            print(
+                "goat-dist plan: --rehearse needs the goat-dist command line (goat_dist.cli)", file=sys.stderr
+            )
+            return 2
         print()
-        return rehearse_command(cfg, args, plan["layout"]["world"], device)
+        return args.rehearse_hook(cfg, args, plan["layout"]["world"], device)
     return 0
 
 
-def rehearse_command(cfg, args, world: int, device) -> int:
-    """``--rehearse``: the report, and exit 0 only when the rehearsal is clean (2 names every fault)."""
-    from pathlib import Path
-
-    from ..rehearsal import rehearse
-    from ..rehearsal.rank import RehearsalError
-    from ..rehearsal.run import format_rehearsal
-
-    try:
-        result = rehearse(cfg, world, device, rank=args.rank, layers=args.layers, name=Path(args.config).name)
-    except (RehearsalError, ValueError) as e:
-        print(f"goat-dist plan: {e}", file=sys.stderr)
-        return 2
-    print(format_rehearsal(result), flush=True)
-    return 0 if result.clean else 2
-
-
-def register(sub) -> None:
+def register(sub, rehearse=None) -> None:
+    """The ``plan`` command; ``rehearse``: what ``--rehearse`` runs (``rehearsal.commands.plan_rehearsal``,
+    handed over by ``cli``, a floor above this package)."""
     p = sub.add_parser(
         "plan",
         help="per-GPU memory, largest micro-batch, step time and MFU of a layout (no GPU needed)",
@@ -100,4 +90,4 @@ def register(sub) -> None:
     p.add_argument(
         "--layers", type=int, default=None, help="rehearse a cut model of this many blocks (default: all)"
     )
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, rehearse_hook=rehearse)

@@ -17,6 +17,15 @@ step (``step``). It reports, and fails on:
 
 and prints every collective by group, op, dtype and bytes beside the analytical volume (``volumes``), and
 the rank's traced peak memory beside the planner's (``memory``).
+
+The command line reaches it through injection: ``cli`` hands ``commands.plan_rehearsal`` to ``goat-dist
+plan --rehearse`` and ``commands.doctor_check`` to ``goat-dist doctor``, both of which sit on lower floors.
+
+May import: torch, megatron-core, ``goat_dist.config``, ``goat_dist.collectives``, ``goat_dist.distributed``,
+``goat_dist.kernels`` (the stand-ins), ``goat_dist.engine`` (only ``engine.sizes``: the buckets and stage
+rules the engine is built with), ``goat_dist.model``, ``goat_dist.optim``, ``goat_dist.parallel``,
+``goat_dist.shapes``, ``goat_dist.trainer`` (its step, its control agreement, its config resolution) and
+``goat_dist.plan`` (the GPUs, the planner's memory); never DeepSpeed (it does not run on the meta device).
 """
 
 from .run import Rehearsal, rehearse

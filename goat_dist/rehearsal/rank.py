@@ -107,6 +107,15 @@ def _enabled(cfg: Config, key: str) -> bool:
     return bool(getattr(getattr(cfg, section), name))
 
 
+def kernel_of(model, cfg: Config) -> str:
+    """The attention kernel the model's blocks run at the config's precision (``auto`` resolved)."""
+    import torch
+
+    if not len(model.blocks):
+        return ""
+    return model.blocks[0].attn.kernel_for(torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32)
+
+
 def rehearse_rank(cfg: Config, rank: int, world: int, gpu) -> RankRun:
     """Rank ``rank`` of ``world``'s step (``cfg`` from ``step.rehearsal_config``) on ``gpu``
     (``plan.hardware.GPU``): built, run once, recorded."""
@@ -124,35 +133,35 @@ def rehearse_rank(cfg: Config, rank: int, world: int, gpu) -> RankRun:
         syncs = stack.enter_context(HostSyncs(answers))
         try:
             model, engine = steps.build_rank(cfg, layout)
-            run.backend = next(
-                (m.backend for m in model.modules() if isinstance(getattr(m, "backend", None), str)), ""
-            )
+            run.backend = kernel_of(model, cfg)
             steps.run_step(steps.trainer_for(cfg, layout, engine, run.grad_accum), run.grad_accum)
         except Exception as error:  # a fault stops the step: report it, with where it happened
             run.faults.append(classify(error))
         run.calls = list(RECORDER.calls)
     run.syncs = syncs.counts
-    for c in run.calls:
-        if c.host_on_nccl:
-            what = f"{c.op} of a host {c.dtype} tensor on the {c.group} group (NCCL only on a CUDA run)"
-            run.faults.append(Fault("host tensor on an NCCL group", c.where, what))
+    hosts = Counter(c for c in run.calls if c.host_on_nccl)
+    for c, count in hosts.items():
+        what = f"{count} {c.op} of a host {c.dtype} tensor on the {c.group} group (NCCL only on a CUDA run)"
+        run.faults.append(Fault("host tensor on an NCCL group", c.where, what))
     run.seconds = time.perf_counter() - t0
     return run
 
 
 def conditional_faults(mine: RankRun, other: RankRun) -> list[Fault]:
     """Collectives one rank makes and another does not (or makes differently): the first difference of
-    the two ranks' recorded sequences, which on a GPU hangs every rank of the group."""
+    the two ranks' recorded sequences, which on a GPU hangs every rank of the group. Named at the call one
+    rank makes beyond the other's sequence when there is one, else at this rank's."""
     a, b = mine.calls, other.calls
     for i in range(max(len(a), len(b))):
         x = a[i] if i < len(a) else None
         y = b[i] if i < len(b) else None
-        if x is None or y is None or x.signature() != y.signature():
-            only = x or y
-            what = (
-                f"collective {i + 1}: rank {mine.rank} makes {_call(x)}, rank {other.rank} makes {_call(y)}"
-            )
-            return [Fault("rank-conditional collective", only.where, what)]
+        if x is not None and y is not None and x.signature() == y.signature():
+            continue
+        extra = x
+        if x is None or (y is not None and i + 1 < len(b) and b[i + 1].signature() == x.signature()):
+            extra = y  # the other rank's call is the one this rank never makes
+        what = f"collective {i + 1}: rank {mine.rank} makes {_call(x)}, rank {other.rank} makes {_call(y)}"
+        return [Fault("rank-conditional collective", extra.where, what)]
     return []
 
 

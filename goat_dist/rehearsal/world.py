@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -26,7 +27,13 @@ from .. import distributed
 
 BACKEND = "rehearse"
 PACKAGE_MARK = "goat_dist"
-OWN_FILES = ("goat_dist/rehearsal/",)  # frames of the rehearsal itself never name a fault
+# frames that never name a fault: the rehearsal's own and the kernel stand-ins' (the fault is the call)
+OWN_FILES = (
+    "goat_dist/rehearsal/",
+    "goat_dist/kernels/flash4_standin.py",
+    "goat_dist/kernels/flash_standin.py",
+    "goat_dist/kernels/refusal.py",
+)
 
 
 def caller(frames=None) -> str:
@@ -44,8 +51,13 @@ def _project_frame(filename: str) -> bool:
 
 
 def short_path(filename: str) -> str:
+    """A frame's file as a reader finds it: from ``goat_dist/`` on, else relative to the working
+    directory when under it."""
     i = filename.rfind(PACKAGE_MARK + "/")
-    return filename[i:] if i >= 0 else filename
+    if i >= 0:
+        return filename[i:]
+    relative = os.path.relpath(filename)
+    return filename if relative.startswith("..") else relative
 
 
 @dataclass(frozen=True)
@@ -192,21 +204,15 @@ def _register() -> None:
 @contextlib.contextmanager
 def fake_world(rank: int, world: int, tp: int, cp: int = 1, device: torch.device | None = None):
     """Rank ``rank`` of a world of ``world`` processes, with megatron's TP/CP/DP groups as
-    ``distributed.init`` makes them; yields its ``distributed.Layout`` (on ``device``, default meta) and records every collective
-    into ``RECORDER`` (cleared first)."""
-    from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    ``distributed.init`` makes them; yields its ``distributed.Layout`` (on ``device``, default meta) and
+    records every collective into ``RECORDER`` (cleared first)."""
     if dist.is_initialized():
         raise RuntimeError("a rehearsal needs a process without a torch.distributed world")
     _register()
     RECORDER.calls.clear()
-    dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world)
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False
-        )
-        layout = dataclasses.replace(distributed.current_layout(), device=device or torch.device("meta"))
+        layout = distributed.init_fake(rank, world, tp, cp, backend=BACKEND)
+        layout = dataclasses.replace(layout, device=device or torch.device("meta"))
         RECORDER.names = {
             id(dist.group.WORLD): "world",
             id(layout.tp_group): "tp",
@@ -215,10 +221,8 @@ def fake_world(rank: int, world: int, tp: int, cp: int = 1, device: torch.device
             id(layout.replica_group): "replicas",
         }
         if cp == 1:
-            RECORDER.names[id(layout.replica_group)] = "dp"  # the same group: DP
+            RECORDER.names[id(layout.replica_group)] = "dp"  # the same ranks: DP
         yield layout
     finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        distributed.teardown_fake()
         RECORDER.names = {}

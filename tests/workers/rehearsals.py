@@ -85,8 +85,12 @@ def planted(kind: str):
             dist.all_reduce(torch.zeros(4, device="meta"), group=self.tp_group)  # only rank 0 makes it
         return forward(self, tokens, position_ids, labels)
 
-    plants = {"host tensor in the forward": host_tensor, "item in the loss": item_in_loss,
-              "host tensor to a TP collective": host_to_tp, "collective on one rank": one_rank_only}  # fmt: skip
+    plants = {
+        "host tensor in the forward": host_tensor,
+        "item in the loss": item_in_loss,
+        "host tensor to a TP collective": host_to_tp,
+        "collective on one rank": one_rank_only,
+    }
     if kind in plants:
         GPT.forward = plants[kind]
     try:

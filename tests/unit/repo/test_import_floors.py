@@ -28,6 +28,7 @@ FLOORS = [
     {"inference"},
     {"checkpoint", "doctor"},
     {"trainer", "evaluation", "plan"},
+    {"rehearsal"},
     {"cli"},
     {"__main__"},
 ]
