@@ -102,7 +102,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         rehearse = None
     elif rehearse is None and args.rehearse == "on":
         print(
-            "goat-dist doctor: --rehearse on needs the goat-dist command line (goat-dist doctor)",
+            "goat-dist doctor: --rehearse on needs the full command line (goat-dist doctor)",
             file=sys.stderr,
         )
         return 2

@@ -41,9 +41,7 @@ def cmd_plan(args) -> int:
             return 2
     if args.rehearse:
         if args.rehearse_hook is None:
-            print(
-                "goat-dist plan: --rehearse needs the goat-dist command line (goat_dist.cli)", file=sys.stderr
-            )
+            print("goat-dist plan: --rehearse needs the full command line (goat-dist plan)", file=sys.stderr)
             return 2
         print()
         return args.rehearse_hook(cfg, args, plan["layout"]["world"], device)

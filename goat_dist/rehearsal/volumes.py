@@ -11,9 +11,12 @@ B bytes over n ranks sends 2(n-1)/n B, an all-gather or reduce-scatter of a whol
   Megatron's column-parallel layers gather their input again in the backward for the weight gradient
   (two more all-gathers per layer). Full activation checkpointing repeats the forward's. Outside the
   layers: the embedding's reduction (a reduce-scatter into the sequence-parallel region under SP, an
-  all-reduce without), the LM head's input gather under SP (forward all-gather, backward reduce-scatter)
-  or its backward all-reduce without, and the vocab-parallel cross entropy's three fp32 all-reduces of
-  [s, b]. Small terms (the one fp32 sum of the replicated gradients per backward) are left out.
+  all-reduce without), the LM head's input gather under SP (forward all-gather, backward reduce-scatter
+  and the weight gradient's gather) or its backward all-reduce without, and the vocab-parallel cross
+  entropy's three fp32 all-reduces of [s, b]. Small terms (the one fp32 sum of the replicated gradients
+  per backward) are left out. goat_dist's embedding all-reduces under SP, then keeps its slice, where
+  Megatron reduce-scatters: twice that term's bytes, which the recorded figure shows (about 8 % of a
+  2-block cut's TP bytes, 0.3 % of a 64-layer model's).
 * CP (``parallel/context.py``): K and V all-gathered per layer forward, their gradients reduce-scattered
   backward; recomputing the attention core (full or selective checkpointing) gathers again.
 * DP (DeepSpeed, per ZeRO stage, over DP x CP, gradients in the reduce dtype, weights in the training
@@ -47,7 +50,9 @@ def analytical(cfg: Config, tp: int, cp: int, dp: int, micro_batches: int) -> di
     if sp:
         tp_layer += 2 * _ring(act, tp, all_reduce=False)  # the backward's re-gathered inputs
     if sp:
-        outside = _ring(act, tp, False) + 2 * _ring(act, tp, False)  # embedding RS; head AG + RS
+        # the embedding's reduce-scatter; the LM head's input: gathered forward, its gradient
+        # reduce-scattered and the input gathered again for the weight gradient backward
+        outside = _ring(act, tp, False) + 3 * _ring(act, tp, False)
     else:
         outside = 2 * _ring(act, tp, True)  # embedding AR; the head input's backward AR
     outside += 3 * _ring(4 * b * s, tp, True)  # cross entropy: max, target logit, sum of exp

@@ -19,15 +19,18 @@ from goat_dist.config import load_config
 from goat_dist.distributed import free_port
 
 
-def doctor_command(nproc: int, args: list[str]) -> list[str]:
-    return launch_command(
-        nproc, ["-m", "goat_dist.doctor", "--config", str(ROOT / "configs" / "tiny.yaml"), *args]
-    )
+def doctor_command(nproc: int, args: list[str], full: bool = False) -> list[str]:
+    """``python -m goat_dist.doctor`` (the light form), or with ``full`` ``python -m goat_dist doctor``
+    (the command line's, which can rehearse)."""
+    entry = ["-m", "goat_dist", "doctor"] if full else ["-m", "goat_dist.doctor"]
+    return launch_command(nproc, [*entry, "--config", str(ROOT / "configs" / "tiny.yaml"), *args])
 
 
-def run_doctor(nproc: int, args: list[str], cwd=ROOT, **env) -> subprocess.CompletedProcess:
+def run_doctor(
+    nproc: int, args: list[str], cwd=ROOT, full: bool = False, **env
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        doctor_command(nproc, args),
+        doctor_command(nproc, args, full),
         env=clean_env(**env),
         capture_output=True,
         text=True,
@@ -255,10 +258,16 @@ def test_write_mb_sets_the_probe_and_zero_skips_it(monkeypatch, tmp_path):
 def test_doctor_alone_passes(tmp_path, builtin_cache):
     import json
 
-    out = run_doctor(1, [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={builtin_cache}"])
+    args = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={builtin_cache}", "--rehearse", "on"]
+    out = run_doctor(1, args,
+                     full=True)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    for check in ("devices", "data", "disk", "all-reduce", "write"):
+    for check in ("devices", "data", "disk", "all-reduce", "write", "rehearsal"):
         assert re.search(rf"^\s+ok\s+{check}:", out.stdout, re.M), out.stdout
+    # on a CPU machine, asked for: this node's last rank as an H100 runs it, FA4 stood in
+    assert re.search(
+        r"ok\s+rehearsal: rank 0 of 1 on h100-80gb, 2 of 4 blocks, attention flash4: 1 host", out.stdout
+    )
     assert "all checks passed" in out.stdout
     assert not any(p.name.startswith(".doctor") for p in (tmp_path / "run").iterdir())  # cleaned up
     record = json.loads((tmp_path / "run" / "checkpoints" / "write_bandwidth.json").read_text())
@@ -268,11 +277,16 @@ def test_doctor_alone_passes(tmp_path, builtin_cache):
 def test_doctor_names_what_is_wrong(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    out = run_doctor(1, [f"run.dir={blocker}/run", f"data.source={tmp_path / 'nodata'}"])
+    # the rehearsal of a step FlashAttention-4 would refuse (fp32 inputs) fails the preflight, named
+    refused = ["train.precision=fp32", "model.attention_backend=flash4", "--rehearse", "on"]
+    out = run_doctor(1, [f"run.dir={blocker}/run", f"data.source={tmp_path / 'nodata'}", *refused], full=True)
     assert out.returncode == 1
     assert f"FAIL run dir: {blocker}/run is not writable" in out.stderr
     assert f"FAIL data: {tmp_path / 'nodata'}" in out.stderr
-    assert "FAILED (run dir, data)" in out.stderr
+    assert "FAIL rehearsal: kernel refusal at goat_dist/kernels/fa4.py:" in out.stderr
+    assert "FAILED (run dir, data, rehearsal)" in out.stderr
+    light = run_doctor(1, ["--rehearse", "on"])  # python -m goat_dist.doctor cannot rehearse: it says so
+    assert light.returncode == 2 and "needs the full command line (goat-dist doctor)" in light.stderr
     bad = run_doctor(1, ["train.nope=1"])
     assert bad.returncode == 2 and "train.nope" in bad.stderr
 
