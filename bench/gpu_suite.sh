@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one command on one CUDA machine (sized for 8 minutes on one H200, cold cache):
+#   R. the rehearsal first (goat-dist plan --rehearse: the 30B config's rank 511 of 64 x 8, cut to 2 blocks,
+#      the GPU stood in by the meta device; seconds): a fault it names would fail the runs below anyway;
 #   0. installs the `gpu` extra (FlashAttention-4 and its dependencies) from wheels only, never an sdist,
 #      with the installed torch pinned (a CUDA 13 torch gets FA4's cu13 libraries);
 #      GOAT_SKIP_INSTALL=1 skips it where the environment is prepared already;
@@ -40,6 +42,7 @@ TRAIN_TIMEOUT=${GOAT_TRAIN_TIMEOUT:-250}
 TP2_TIMEOUT=${GOAT_TP2_TIMEOUT:-200}
 TESTS_TIMEOUT=${GOAT_TESTS_TIMEOUT:-140}
 BENCH_TIMEOUT=${GOAT_BENCH_TIMEOUT:-140}
+REHEARSE_TIMEOUT=${GOAT_REHEARSE_TIMEOUT:-90}
 
 # the gpu extra's requirements, read from pyproject.toml (a CUDA 13 torch: flash-attn-4[cu13])
 gpu_requirements() {
@@ -68,6 +71,8 @@ CONSTRAINTS="$OUT_DIR/constraints.txt"  # the installed torch stays: pip never s
 INSTALL_CMD=("$PY" -m pip install -q "${PIP_ARGS[@]}")
 if [[ -n "$TORCH_PIN" ]]; then INSTALL_CMD+=(-c "$CONSTRAINTS"); fi
 INSTALL_CMD+=("${REQS[@]}")
+REHEARSE_CMD=("$PY" -m goat_dist plan --config configs/models/goat_30b.yaml --nodes 64 --gpus-per-node 8 --rehearse
+              --layers 2)
 TRAIN_CMD=("$PY" bench/gpu_train.py --out "$OUT_DIR")
 TP2_CMD=("$PY" bench/gpu_tp2.py --out "$OUT_DIR")
 # one process on the GPU (pyproject's addopts start pytest-xdist workers, which the device may not have)
@@ -77,6 +82,7 @@ BENCH_CMD=("$PY" bench/gpu_attention.py --out "$OUT_DIR" ${GOAT_ATTENTION_ARGS:-
 
 if [[ $DRY -eq 1 ]]; then
   echo "plan (output: $OUT_DIR; FA4 kernel cache: $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR)"
+  echo "  rehearse timeout ${REHEARSE_TIMEOUT}s: ${REHEARSE_CMD[*]}"
   if [[ -z "${GOAT_SKIP_INSTALL:-}" ]]; then
     echo "  install  timeout ${INSTALL_TIMEOUT}s: ${INSTALL_CMD[*]}${TORCH_PIN:+   ($CONSTRAINTS: $TORCH_PIN)}"
   else
@@ -88,7 +94,7 @@ if [[ $DRY -eq 1 ]]; then
   echo "  bench    timeout ${BENCH_TIMEOUT}s: ${BENCH_CMD[*]}"
   missing=0
   for path in pyproject.toml bench/gpu_train.py bench/gpu_tp2.py bench/gpu_attention.py tests/gpu configs/tiny.yaml \
-      configs/models/goat_125m.yaml configs/models/goat_1.3b.yaml; do
+      configs/models/goat_125m.yaml configs/models/goat_1.3b.yaml configs/models/goat_30b.yaml; do
     if [[ ! -e "$path" ]]; then echo "  MISSING $path"; missing=1; fi
   done
   if [[ ${#REQS[@]} -eq 0 || -z "${REQS[0]}" ]]; then echo "  MISSING the gpu extra in pyproject.toml"; missing=1; fi
@@ -104,7 +110,7 @@ t0=$(date +%s)
 declare -A RC SECONDS_OF
 write_suite() {  # suite.json so far: a run cut short still says which parts finished and how
   local parts="" key
-  for key in install train tp2 tests bench; do
+  for key in rehearse install train tp2 tests bench; do
     [[ -n "${RC[$key]:-}" ]] && parts+="\"${key}_rc\": ${RC[$key]}, \"${key}_s\": ${SECONDS_OF[$key]}, "
   done
   echo "{${parts}\"total_s\": $(( $(date +%s) - t0 )), \"fa4_cache\": \"$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR\"}" \
@@ -122,6 +128,9 @@ part() {  # part NAME TIMEOUT COMMAND...: run it under its timeout, record exit 
   echo "== $name: exit $rc, ${SECONDS_OF[$name]} s"
   write_suite
 }
+
+echo "== the rehearsal: one rank's step of the 30B job at 64 x 8, the GPU stood in (goat-dist plan --rehearse)"
+part rehearse "$REHEARSE_TIMEOUT" "${REHEARSE_CMD[@]}" > >(tee "$OUT_DIR/rehearsal.txt") 2>&1
 
 if [[ -z "${GOAT_SKIP_INSTALL:-}" ]]; then
   echo "== installing the gpu extra from wheels: ${REQS[*]} (${TORCH_PIN:-torch not importable})"

@@ -31,9 +31,11 @@ def test_dry_run_prints_the_plan_and_finds_its_inputs(tmp_path):
     proc = dry_run(tmp_path, GOAT_TRAIN_TIMEOUT="77")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for part in ("install", "train", "tp2", "tests", "bench"):
+    for part in ("rehearse", "install", "train", "tp2", "tests", "bench"):
         assert f"  {part} " in out and "timeout" in out.split(f"  {part} ")[1].splitlines()[0], out
     assert "train    timeout 77s: " in out and "bench/gpu_train.py --out" in out
+    assert out.index("  rehearse ") < out.index("  install ")  # the rehearsal first
+    assert "plan --config configs/models/goat_30b.yaml --nodes 64 --gpus-per-node 8 --rehearse" in out
     assert "bench/gpu_tp2.py --out" in out and "skipped with a message on one" in out
     assert "--only-binary=:all:" in out and "flash-attn-4" in out and "torch==" in out  # torch pinned
     assert "GOAT_TESTS_JSONL=" in out and "FA4 kernel cache: " in out

@@ -114,6 +114,29 @@ PLANTS = {
 }
 
 
+# variants of shipped configs whose step must be as clean: (config, nodes, GPUs per node, overrides)
+VARIANTS = {
+    # learned positions checked their range with a host read per micro-batch (fixed)
+    "learned positions": ("configs/models/goat_125m.yaml", 1, 8, ["model.position=learned"]),
+    # packed documents without context parallelism: one host read of the positions per micro-batch
+    "documents, TP2 SP": (
+        "configs/models/goat_125m.yaml",
+        1,
+        8,
+        ["data.document_masking=true", "parallel.tp=2", "parallel.sp=true"],
+    ),  # fmt: skip
+    # the FA2 stand-in of an A100, packed documents through its varlen kernel
+    "A100, documents": ("configs/models/goat_125m.yaml", 1, 8, ["data.document_masking=true"]),
+    "ZeRO-3, full checkpointing": (
+        "configs/models/goat_1.3b.yaml",
+        1,
+        8,
+        ["parallel.zero_stage=3", "train.activation_checkpointing=full"],
+    ),  # fmt: skip
+}
+GPU_OF = {"A100, documents": "a100-80gb"}
+
+
 def result(name: str, r, planted_line: int | None = None) -> dict:
     from goat_dist.rehearsal.run import format_rehearsal
 
@@ -148,8 +171,17 @@ def main() -> None:
     p.add_argument("cases", nargs="*")
     args = p.parse_args()
     h100 = gpu("h100-80gb")
-    cases = args.cases or [*WORLDS, *PLANTS]
+    cases = args.cases or [*WORLDS, *VARIANTS, *PLANTS]
     for case in cases:
+        if case in VARIANTS:
+            path, nodes, per_node, overrides = VARIANTS[case]
+            cfg = load_config(ROOT / path, overrides)
+            device = gpu(GPU_OF.get(case, "h100-80gb"))
+            r = rehearse(
+                cfg, nodes * per_node, device, layers=args.layers, name=case, memory=not args.no_memory
+            )
+            print(json.dumps(result(case, r)), flush=True)
+            continue
         if case in PLANTS:
             path, nodes, per_node, overrides = PLANTS[case]
             cfg = load_config(ROOT / path, overrides)
