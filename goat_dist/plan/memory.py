@@ -4,7 +4,8 @@
 Every term is documented, with its derivation, in ``docs/planner.md``; the parameter inventory is checked
 name by name against the real model (``goat-dist plan --materialize``,
 ``tests/integration/plan/test_plan*.py``)
-and the byte counts against real engines and saved-tensor hooks on CPU.
+and the byte counts against real engines and saved-tensor hooks on CPU, and against one rank's training
+step traced on fake tensors (``rehearsal.memory``; ``tests/unit/plan/test_rehearsal_memory.py``).
 """
 
 from __future__ import annotations
@@ -223,11 +224,15 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
       they are produced, and prefetches the next (0.9 h^2 elements);
     * ``allreduce``: ZeRO-0 all-reduces the gradients at the boundary through a flat copy of at most
       ``ZERO0_ALLREDUCE_ELEMENTS`` (and its fp32 cast when bf16 gradients are reduced in fp32);
-    * ``fp32_grads``: bf16 mode creates fp32 gradients for the master copy at the step (all of them at
-      ZeRO-0, the partition at ZeRO 1-3), unless the partition was accumulated in fp32 already;
+    * ``fp32_grads``: the masters' gradients at the step, unless the partition was accumulated in fp32
+      already: bf16 mode casts every gradient to fp32 at ZeRO-0 and the flat partition at ZeRO-3; at ZeRO
+      1-2 DeepSpeed first flattens the partition's gradients into a new tensor (in their dtype, in either
+      precision), which bf16 then casts to fp32 next to it (``stage_1_and_2.py``'s ``step``);
     * ``logits``: the LM head's logits next to the fp32 ones the loss keeps: the fp32 copy that masks the
       padded vocabulary columns (``model.gpt.vocab_parallel_logits``; also the masked gradient in the
       backward), else the bf16 logits cast to fp32;
+    * ``tied_input``: meanwhile a tied output layer in bf16 holds its fp32 input (the final norm's output:
+      CUDA's autocast runs the norms in fp32), whole (gathered under SP), next to the bf16 copy it keeps;
     * ``recompute``: full activation checkpointing rebuilds one layer's activations during its backward;
     * ``params_norm``: a log step's parameter norm (``observe.step_metrics.param_sumsq_share``) casts one
       parameter at a time to float64 and squares it: two float64 copies of the largest local tensor (its
@@ -240,18 +245,25 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     inv = param_inventory(m, tp)
     n = sum(p.numel for p in inv)
     layer = sum(p.numel for p in inv if p.name.startswith("blocks.0."))
-    out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "recompute": 0, "params_norm": 0}
+    out = {"zero3_gather": 0, "allreduce": 0, "fp32_grads": 0, "logits": 0, "tied_input": 0, "recompute": 0,
+           "params_norm": 0}  # fmt: skip
     if stage == 3:
         out["zero3_gather"] = w * (2 * layer + engine_sizes.prefetch_elements(m.hidden_size))
     if stage == 0 and dp > 1:
         # an fp32 reduction (parallel.grad_reduce_dtype) of bf16 gradients casts the flat copy to fp32 too
         cast = 4 if bf16 and _reduce_bytes(cfg) == 4 else 0
         out["allreduce"] = (w + cast) * min(n, ZERO0_ALLREDUCE_ELEMENTS)
-    if bf16 and not _fp32_accumulation(cfg, dp):  # fp32-accumulated partitions need no fp32 copy
-        out["fp32_grads"] = 4 * (n if stage == 0 else _ceil_div(n, dp))
+    if not _fp32_accumulation(cfg, dp):  # fp32-accumulated partitions are the masters' gradients
+        if stage in (1, 2):  # the flattened partition, and its fp32 cast in bf16
+            out["fp32_grads"] = (w + (4 if bf16 else 0)) * _ceil_div(n, dp)
+        elif bf16:
+            out["fp32_grads"] = 4 * (n if stage == 0 else _ceil_div(n, dp))
     padded = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp)
     logits_bytes = 4 if padded != m.vocab_size else (2 if bf16 else 0)
-    out["logits"] = logits_bytes * micro_batch * _seq_per_rank(cfg) * (padded // tp)
+    tokens = micro_batch * _seq_per_rank(cfg)
+    out["logits"] = logits_bytes * tokens * (padded // tp)
+    if m.tie_embeddings and bf16:
+        out["tied_input"] = 4 * tokens * m.hidden_size
     if cfg.train.activation_checkpointing == "full":
         out["recompute"] = activation_bytes(cfg, micro_batch, recompute_layer=True)["per_layer"]
     largest = max((p.numel for p in inv), default=0)
@@ -315,7 +327,8 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
 
     * two RMSNorms: input and normalised input, in fp32 (torch's RMSNorm upcasts), ``2h / t_sp`` each, plus
       the fp32 rstd; LayerNorm: input (in fp32) and mean/rstd;
-    * inputs of the q/k/v projection and of fc1: ``h / t_sp`` each (megatron keeps the un-gathered input);
+    * inputs of the q/k/v projection and of fc1: ``h / t_sp`` each (megatron keeps the un-gathered input),
+      the norms' outputs: fp32 under bf16, since CUDA's autocast runs both norms in fp32;
     * the q/k/v projection's output ``W / t`` (kept alive because v is a view of it);
     * the kernel's q and k (content + prior lanes): ``(H + H_kv) D / t``; its output ``H D / t`` (also the
       projection's input); its log-sum-exp ``H / t`` (fp32);
@@ -328,8 +341,12 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     of the local k and the projection output (``parallel/context.py``; a flash kernel keeps views of the
     gathered tensors).
 
-    Outside the layers: the final norm, the LM head's input (gathered to the whole sequence when tied),
-    the vocab-parallel softmax ``V / t`` in fp32 and the token/label ids. Under full checkpointing a layer
+    Outside the layers: the final norm, the LM head's input (untied: the final norm's output; tied:
+    autocast's bf16 copy of it, gathered to the whole sequence), the vocab-parallel softmax ``V / t`` in
+    fp32 and the token/label ids; under sequence parallelism, megatron's all-gather buffer
+    (``sp_buffer``): its column-parallel layers gather their input, the whole sequence ``h`` wide, into one
+    buffer per dtype (``GlobalMemoryBuffer``, "mpu", the norms' output dtype) that lives from the first
+    forward on (a tied output layer gathers into a tensor of its own). Under full checkpointing a layer
     keeps only its input ``h / t_sp``; selective checkpointing drops the kernel's q, k, output and lse and
     the lanes (and CP's gathered K/V) but keeps the projection output (the checkpoint's input) and the
     output.
@@ -346,10 +363,11 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     ac = cfg.train.activation_checkpointing
     if m.norm == "rmsnorm":  # one norm; a layer has two
         norm = 4 * (2 * h / tsp + 1 / tsp)
-        norm_out = a  # the norm's output (the next linear's input) is in the activation dtype
     else:
         norm = 4 * (h / tsp + 2 / tsp)
-        norm_out = 4 if bf16 else a  # autocast runs layer_norm in fp32: the next linear gets an fp32 input
+    # CUDA's autocast runs rms_norm and layer_norm in fp32 (its fp32 op list): under bf16 the norm's output,
+    # the next linear's saved input, is fp32 (CPU autocast leaves both norms in their input's dtype)
+    norm_out = 4 if bf16 else a
     linear_in = norm_out * 2 * h / tsp
     qkv_out = a * qkv_width(m) / tp
     kernel = a * (heads + kv) * head_dim / tp + 4 * heads / tp
@@ -386,13 +404,15 @@ def activation_bytes(cfg: Config, micro_batch: int, recompute_layer: bool = Fals
     else:
         layer = full_layer
     vocab = padded_vocab_size(m.vocab_size, m.vocab_pad_multiple, tp)
-    head_in = a * h / (tsp if not m.tie_embeddings else 1)
+    # untied: the output layer keeps the final norm's output; tied: autocast's bf16 copy, the whole sequence
+    head_in = norm_out * h / tsp if not m.tie_embeddings else a * h
     final = norm + head_in + 4 * vocab / tp
     ids = 8 + 8 + 2 + (8 if ac != "none" else 0)  # token ids, targets, two masks; checkpointed: positions
     per_layer = int(layer * tokens)
-    outside = int((final + ids) * tokens + vocab / tp)  # + the padding mask over the vocabulary slice
+    sp_buffer = int(norm_out * h * tokens) if sp else 0  # megatron's SP all-gather buffer, kept
+    outside = int((final + ids) * tokens + vocab / tp) + sp_buffer  # + the vocabulary slice's padding mask
     total = m.num_layers * per_layer + outside
     kept_kv = ac == "none" or recompute_layer  # checkpointing the attention core recomputes the gather
     cp_kv = int(gathered_kv * tokens) * m.num_layers if kept_kv else 0
     return {"per_layer": per_layer, "layers": m.num_layers * per_layer, "outside": outside,
-            "cp_kv": cp_kv, "total": total}  # fmt: skip
+            "cp_kv": cp_kv, "sp_buffer": sp_buffer, "total": total}  # fmt: skip
