@@ -27,8 +27,8 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..config import Config
 from ..engine import sizes
 from ..trainer.control import is_control_vector, quiet_vector
@@ -120,16 +120,17 @@ def dp_collectives(cfg: Config, layout, params: list[torch.nn.Parameter], micro:
     def reduce_scatter(total: int, dtype) -> None:
         part = math.ceil(total / n)
         whole = torch.empty(part * n, dtype=dtype, device=META)
-        dist.reduce_scatter_tensor(torch.empty(part, dtype=dtype, device=META), whole, group=group)
+        collectives.reduce_scatter_tensor(torch.empty(part, dtype=dtype, device=META), whole, group=group)
 
     def all_gather(total: int, dtype) -> None:
         part = math.ceil(total / n)
         shard = torch.empty(part, dtype=dtype, device=META)
-        dist.all_gather_into_tensor(torch.empty(part * n, dtype=dtype, device=META), shard, group=group)
+        out = torch.empty(part * n, dtype=dtype, device=META)
+        collectives.all_gather_into_tensor(out, shard, group=group)
 
     if stage == 0 and when == "boundary":
         for size in buckets(sizes.ZERO0_ALLREDUCE_ELEMENTS):
-            dist.all_reduce(torch.empty(size, dtype=comm, device=META), group=group)
+            collectives.all_reduce(torch.empty(size, dtype=comm, device=META), group=group)
     elif stage == 1 and when == "boundary":
         for size in buckets(bucket):
             reduce_scatter(size, comm)
@@ -147,7 +148,7 @@ def dp_collectives(cfg: Config, layout, params: list[torch.nn.Parameter], micro:
             all_gather(size, weights)
     if when == "boundary" and cfg.train.grad_clip:
         # the gradient norm: each rank's sum of squares over its partition, summed over the replicas
-        dist.all_reduce(torch.empty(1, dtype=torch.float32, device=META), group=group)
+        collectives.all_reduce(torch.empty(1, dtype=torch.float32, device=META), group=group)
 
 
 class RehearsedEngine:

@@ -30,8 +30,9 @@ FENCE = re.compile(r"^[ \t]*```bash[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)
 # Run by test_runnable_command_runs: (pattern, how). Cheap, and need nothing outside this checkout.
 RUN = [
     (r"goat-dist( [a-z]+)* --help", "help"),
-    (r"goat-dist plan (?!.*--materialize).*", "cli"),
-    (r"goat-dist plan .*--materialize.*", "cli-slow"),  # builds every TP rank's model on the meta device
+    (r"goat-dist plan (?!.*--materialize|.*--rehearse).*", "cli"),
+    # build models on the meta device in a fake world of their own: a process of their own
+    (r"goat-dist plan .*(--materialize|--rehearse).*", "cli-slow"),
     (r"python tools/config_docs\.py", "config-docs"),
     (r"python -m pip list --format=freeze > node-packages\.txt", "shell"),
 ]
