@@ -254,6 +254,22 @@ def test_write_mb_sets_the_probe_and_zero_skips_it(monkeypatch, tmp_path):
     assert not r.failed and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_rehearsal_runs_by_itself_on_a_gpu_node_only(monkeypatch):
+    import torch
+
+    from goat_dist.cli import build_parser
+
+    seen = []
+    monkeypatch.setattr(doctor.command, "run_doctor", lambda *a, rehearse, **k: seen.append(rehearse) or 0)
+    for cuda, flag in ((False, "auto"), (False, "on"), (True, "auto"), (True, "off")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert (
+            doctor.cmd_doctor(build_parser().parse_args(["doctor", "--rehearse", flag, "--write-mb", "0"]))
+            == 0
+        )
+    assert [hook is not None for hook in seen] == [False, True, True, False]
+
+
 # ---- whole runs -------------------------------------------------------------------------------------------
 def test_doctor_alone_passes(tmp_path, builtin_cache):
     import json
