@@ -67,6 +67,7 @@ from ..plan.memory import (
     state_bytes,
 )
 from ..plan.planner import memory_at, planned_config
+from .standin import patch
 
 __all__ = ["CATEGORIES", "TOLERANCE", "compare_with_plan", "trace_memory"]
 
@@ -156,11 +157,11 @@ def _cpu_device():
     """megatron allocates buffers on ``torch.cuda.current_device()``: the CPU here, where the fake tensors
     live (also on a machine with CUDA, where a CUDA fake tensor meeting a CPU one would raise)."""
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
+    patch(torch.cuda, "current_device", lambda: "cpu")  # for the block
     try:
         yield
     finally:
-        torch.cuda.current_device = original
+        patch(torch.cuda, "current_device", original)
 
 
 def _float(x):
@@ -179,7 +180,7 @@ def _cuda_autocast_norms():
         @functools.wraps(fn)
         def norm(*args, **kwargs):
             if torch.is_autocast_enabled("cpu"):
-                args = [_float(a) for a in args]
+                args = tuple(_float(a) for a in args)
                 kwargs = {k: _float(v) for k, v in kwargs.items()}
             return fn(*args, **kwargs)
 
@@ -366,7 +367,8 @@ def trace_memory(cfg: Config, rank: int, world: int) -> dict:
                 model = GPT(cfg.model, layout, sequence_parallel=cfg.parallel.sp, documents=False)
             model_parallel.apply(model, activation_checkpointing=cfg.train.activation_checkpointing)
             for block in model.blocks:
-                block.attn.core_call = functools.partial(_watched, watch, block.attn.core_call)
+                attn = block.get_submodule("attn")
+                patch(attn, "core_call", functools.partial(_watched, watch, attn.core_call))
             with FakeTensorMode():
                 _to_fake(model, cfg)
                 optimizer, _ = build_optimizer(model, cfg.train)
@@ -411,8 +413,8 @@ def trace_memory(cfg: Config, rank: int, world: int) -> dict:
     # forward's and backward's peaks (alive there: until their layer's backward) and the activations
     excluded = quadratic if cfg.model.attention_backend in FLASH_PLANNED else 0
     phase_peaks = {p: _total(tracker.phase_peaks.get(p, start)) - held_whole for p in PHASES}
-    for p in ("forward", "backward"):
-        phase_peaks[p] -= excluded
+    for phase in ("forward", "backward"):
+        phase_peaks[phase] -= excluded
     peak_phase = max(PHASES, key=lambda p: phase_peaks[p])
     peak = tracker.phase_peaks.get(peak_phase, start)
     total = phase_peaks[peak_phase]
@@ -553,16 +555,16 @@ def compare_with_plan(cfg: Config, world: int, traced: dict) -> list[dict]:
         "params_norm": "the log step's parameter norm (after the step)",
     }
     unseen = _join([f"{what} {_gib(tr[key])}" for key, what in untraced.items() if tr[key]])
-    why = [
+    reasons = [
         "the plan sums peaks that do not coincide (conservative, docs/planner.md): the traced peak holds "
         "the loss's; the step's and the parameter norm's come after the activations are freed"
     ]
     if tr["logits"] and tr["recompute"]:
-        why.append("the recomputed layer comes after the logits are freed")
+        reasons.append("the recomputed layer comes after the logits are freed")
     if traced["grad_accum"] == 1:
-        why.append("with one micro-batch a step, the gradients are made while the activations are freed")
+        reasons.append("with one micro-batch a step, the gradients are made while the activations are freed")
     note = f"not traced: {unseen}" if unseen else ""
-    rows.append(_row("transient", tr["total"], transient["total"], note, _join(why)))
+    rows.append(_row("transient", tr["total"], transient["total"], note, _join(reasons)))
 
     planned_total = planned_state + act["total"] + tr["total"]
     note = "state + activations + transient (no reserve, no DeepSpeed buffers) against the traced peak"

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..config import Config
+from ..distributed import Layout
 from . import step as steps
 from .standin import HostSyncs, accelerator_on_meta
 from .world import RECORDER, Collective, caller, fake_world
@@ -49,7 +50,7 @@ class RankRun:
     """What one rank's rehearsed step did."""
 
     rank: int
-    layout: object
+    layout: Layout
     grad_accum: int
     calls: list[Collective] = field(default_factory=list)
     syncs: Counter = field(default_factory=Counter)
@@ -161,7 +162,8 @@ def conditional_faults(mine: RankRun, other: RankRun) -> list[Fault]:
         if x is None or (y is not None and i + 1 < len(b) and b[i + 1].signature() == x.signature()):
             extra = y  # the other rank's call is the one this rank never makes
         what = f"collective {i + 1}: rank {mine.rank} makes {_call(x)}, rank {other.rank} makes {_call(y)}"
-        return [Fault("rank-conditional collective", extra.where, what)]
+        where = (extra or x or y).where  # type: ignore[union-attr]  # one of them is a call
+        return [Fault("rank-conditional collective", where, what)]
     return []
 
 

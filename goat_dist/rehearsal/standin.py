@@ -28,6 +28,12 @@ from .world import caller
 META = torch.device("meta")
 
 
+def patch(owner, name: str, value) -> None:
+    """``owner.name = value`` for a rehearsal's duration (its caller restores it): module functions and
+    tensor methods swapped at run time, which a type checker cannot follow."""
+    setattr(owner, name, value)
+
+
 class HostSyncs:
     """Host syncs on meta tensors, counted by ``file:line`` while active (``with HostSyncs() as syncs``)."""
 
@@ -70,13 +76,13 @@ class HostSyncs:
 
             return read
 
-        T.item = reader("item", lambda t: False if t.dtype == torch.bool else 0)
+        patch(T, "item", reader("item", lambda t: False if t.dtype == torch.bool else 0))
         zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist()
-        T.tolist = reader("tolist", self.answers.get("tolist", zeros))
-        T.__bool__ = reader("__bool__", lambda t: True)
-        T.__int__ = reader("__int__", lambda t: 1)
-        T.__index__ = reader("__index__", lambda t: 1)
-        T.__float__ = reader("__float__", lambda t: 0.0)
+        patch(T, "tolist", reader("tolist", self.answers.get("tolist", zeros)))
+        patch(T, "__bool__", reader("__bool__", lambda t: True))
+        patch(T, "__int__", reader("__int__", lambda t: 1))
+        patch(T, "__index__", reader("__index__", lambda t: 1))
+        patch(T, "__float__", reader("__float__", lambda t: 0.0))
 
         def nonzero(t, *args, **kwargs):
             if t.device.type != "meta":
@@ -85,9 +91,9 @@ class HostSyncs:
             rows = t.shape[0] if t.dim() else 1
             return torch.zeros(rows, max(t.dim(), 1), dtype=torch.long, device=t.device)
 
-        T.nonzero = nonzero
-        torch.nonzero = nonzero
-        T.cpu = reader("cpu", lambda t: torch.zeros(t.shape, dtype=t.dtype))
+        patch(T, "nonzero", nonzero)
+        patch(torch, "nonzero", nonzero)
+        patch(T, "cpu", reader("cpu", lambda t: torch.zeros(t.shape, dtype=t.dtype)))
 
         def copy_(t, src, *args, **kwargs):
             if t.device.type != "meta" and isinstance(src, torch.Tensor) and src.device.type == "meta":
@@ -104,14 +110,14 @@ class HostSyncs:
                     return torch.zeros(t.shape, dtype=dtype, device=device)
             return saved["to"](t, *args, **kwargs)
 
-        T.copy_ = copy_
-        T.to = to
+        patch(T, "copy_", copy_)
+        patch(T, "to", to)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
-        torch.nonzero = self._saved_nonzero
+        patch(torch, "nonzero", self._saved_nonzero)
 
     @property
     def total(self) -> int:
@@ -142,21 +148,22 @@ def accelerator_on_meta(capability: tuple[int, int] | None):
         world = group is None or group is dist.group.WORLD
         return {"cpu", "meta"} if world else {"meta"}
 
-    torch.cuda.current_device = lambda: "meta"
-    collectives.accelerator = lambda: META
-    collectives.served_device_types = served
-    backend.device_capability = lambda device=None: capability
+    patch(torch.cuda, "current_device", lambda: "meta")
+    patch(collectives, "accelerator", lambda: META)
+    patch(collectives, "served_device_types", served)
+    patch(backend, "device_capability", lambda device=None: capability)
     # torch.autocast knows no meta device: the CPU's stands in (the code's own device_type is meta)
-    torch.autocast = lambda device_type, *a, **k: autocast(
-        "cpu" if device_type == "meta" else device_type, *a, **k
+    patch(
+        torch,
+        "autocast",
+        lambda device_type, *a, **k: autocast("cpu" if device_type == "meta" else device_type, *a, **k),
     )
     try:
         yield
     finally:
-        (
-            torch.cuda.current_device,
-            collectives.accelerator,
-            collectives.served_device_types,
-            backend.device_capability,
-            torch.autocast,
-        ) = saved
+        for owner, name, value in zip(
+            (torch.cuda, collectives, collectives, backend, torch),
+            ("current_device", "accelerator", "served_device_types", "device_capability", "autocast"),
+            saved,
+        ):
+            setattr(owner, name, value)

@@ -240,7 +240,7 @@ def trainer_for(cfg: Config, layout, engine, grad_accum: int):
     trainer.cfg, trainer.layout, trainer.engine, trainer.grad_accum = cfg, layout, engine, grad_accum
     trainer.state, trainer.loop, trainer.callbacks = RunState(), LoopState(), []
     trainer.loop.start(_Loader(), 0)
-    trainer.signals = _Signals()
+    trainer.signals = _Signals()  # type: ignore[assignment]  # all train_step reads of StopSignals
     trainer.autocast = contextlib.nullcontext  # bf16 weights already; torch.autocast has no meta device
     return trainer
 

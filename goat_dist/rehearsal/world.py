@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private
 from torch.futures import Future
 
 from .. import distributed
@@ -143,7 +143,7 @@ RECORDER = Recorder()  # the backend's groups write here (one rehearsal at a tim
 
 
 def _done(result=None):
-    future = Future()
+    future: Future = Future()
     future.set_result(result)
     return _create_work_from_future(future)
 
@@ -158,13 +158,14 @@ class RecordingGroup(dist.ProcessGroup):
         RECORDER.add(self, op, tensors)
         return _done(result)
 
-    def allreduce(self, tensors, opts=None):
+    # the overrides take what the C++ dispatcher passes; the stubs declare narrower option types
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
         return self._record("all_reduce", tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self._record("all_reduce", tensors, tensors)
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]
         return self._record("broadcast", tensors, tensors)
 
     def allgather(self, outputs, inputs, opts=None):
@@ -173,7 +174,7 @@ class RecordingGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         return self._record("all_gather_into_tensor", [input], output)
 
-    def reduce_scatter(self, outputs, inputs, opts=None):
+    def reduce_scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         flat = [t for ts in inputs for t in ts]
         return self._record("reduce_scatter", flat, outputs)
 
@@ -188,7 +189,7 @@ class RecordingGroup(dist.ProcessGroup):
 
 
 def _create(store, rank, world_size, timeout):
-    return RecordingGroup(rank, world_size)
+    return RecordingGroup(rank, world_size)  # type: ignore[call-arg]  # (rank, size) at run time
 
 
 _registered = False
