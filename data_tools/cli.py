@@ -2,8 +2,9 @@
 
 Subcommands: `tokenizer train`, `prepare`, `inspect`. Why here: a CPU data-preparation node runs
 them without torch (`python -m data_tools`); `goat_dist.cli` mounts the same parser under `data`
-with `register(subparsers)`. Exit codes: 0 ok, 1 bad data (input named by file and line, corrupt
-shards named), 2 bad arguments or output dir. Every command sets `func(args) -> int`.
+with `register(subparsers)`. Exit codes: 0 ok, 1 `inspect` found corrupt shards (named), 2 a user
+error as everywhere in goat-dist: bad input data (named by file and line), arguments or output dir.
+Every command sets `func(args) -> int`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shlex
 import sys
 
-from data_tools.inputs import InputError, check_text_field, expand_inputs, iter_inputs
+from data_tools.inputs import check_text_field, expand_inputs, iter_inputs
 
 PROG = "python -m data_tools"
 
@@ -33,9 +34,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         tok = train_bpe(texts, args.vocab_size, args.out, overwrite=args.force)
     except FileExistsError as exn:
         return _error(args, "tokenizer train", f"{exn}; pass --force to replace it", 2)
-    except InputError as exn:
-        return _error(args, "tokenizer train", exn, 1)
-    except (ValueError, OSError) as exn:  # OSError: --out's directory can't be made or written
+    except (ValueError, OSError) as exn:  # InputError (bad data) is one; OSError: --out can't be written
         return _error(args, "tokenizer train", exn, 2)
     print(f"[data] tokenizer with {tok.get_vocab_size():,} tokens from {len(files)} file(s) -> {args.out}")
     return 0
@@ -76,9 +75,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             restart=args.restart,
         )
-    except InputError as exn:
-        return _error(args, "prepare", exn, 1)
-    except (PrepareError, ValueError, FileNotFoundError) as exn:
+    except (PrepareError, ValueError, FileNotFoundError) as exn:  # InputError: a ValueError
         return _error(args, "prepare", exn, 2)
     return 0
 

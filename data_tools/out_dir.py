@@ -4,8 +4,9 @@ A directory is used when it is new, empty (but for a copy of the tokenizer file)
 its ``manifest.json`` (a finished data set, with the fingerprint of the arguments that built it) or its
 progress record (an interrupted run: ``restart.py``). Other arguments are refused unless ``--overwrite``
 (replace a finished data set: only the files its manifest lists) or ``--restart`` (drop an interrupted
-run: only the files its record lists). Every refusal comes before the first change, and names what it
-protects; a file no prepare wrote is never replaced or removed.
+run: only the files its record lists); an interrupted run that finished no shard (one that failed on a bad
+input, say) is dropped without ``--restart``, as it holds nothing to keep. Every refusal comes before the
+first change, and names what it protects; a file no prepare wrote is never replaced or removed.
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ def _differences(old: dict | None, new: dict) -> str:
     return "; ".join(changes) if changes else "the input files' sizes or modification times differ"
 
 
+def _nothing_finished(record: dict, out: Path) -> bool:
+    """True for the record of a prepare that finished no shard (none recorded, none it claimed on disk:
+    shards appear by rename, whole) and was replacing no data set: it failed, perhaps on a bad input, or
+    was stopped early. A run of other arguments may drop it unasked: it holds nothing to keep."""
+    if any(record["splits"].values()) or record.get("stale"):
+        return False
+    return not any((out / name).exists() for name in record_files(record, out))
+
+
 def _is_output(name: str, prefixes: dict[str, str]) -> bool:
     """True for a file name this prepare may write (or replace)."""
     if name in (TOKENIZER_NAME, MANIFEST_NAME, PROGRESS_NAME):
@@ -158,7 +168,7 @@ def open_out(
     if record is not None:
         owned |= {*record_files(record, out), PROGRESS_NAME, TOKENIZER_NAME}
         if record["fingerprint"] != fingerprint:
-            if not restart:
+            if not restart and not _nothing_finished(record, out):  # a record of no shard: dropped unasked
                 n = len(record_files(record, out))
                 raise PrepareError(
                     f"{out / PROGRESS_NAME} records an interrupted prepare into {out} with other inputs or "
@@ -203,7 +213,10 @@ def open_out(
     out.mkdir(parents=True, exist_ok=True)
     if dropped is not None:
         n = discard(out, dropped)
-        echo(f"[data] --restart: deleted {n} file(s) of the interrupted prepare with other arguments")
+        if restart:
+            echo(f"[data] --restart: deleted {n} file(s) of the interrupted prepare with other arguments")
+        else:
+            echo(f"[data] {out}: an earlier prepare of other arguments finished no shard: starting over")
     if record is not None:
         progress = PrepareProgress.resume(out, record, prefixes, settings=settings, stale=stale)
         reused = sum(len(v) for v in progress.splits.values())

@@ -28,6 +28,7 @@ import numpy as np
 from data_tools.encode import Doc, encode_in_order, encoder_pool
 from data_tools.inputs import COMPRESSED_EXTS, check_text_field, expand_inputs, input_kind, iter_inputs
 from data_tools.out_dir import open_out, summary
+from data_tools.progress import progress_bar
 from data_tools.restart import PrepareError, PrepareProgress
 
 __all__ = ["PrepareError", "prepare", "val_chooser", "write_shards"]
@@ -170,16 +171,14 @@ def write_shards(
     # the pool forks before tqdm starts its monitor thread
     pool = encoder_pool(workers, tok.to_str(), FIELDS[ids_field(vocab_size)], eos)
     try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not show_progress)
+        bar = progress_bar(total_bytes, show_progress)  # plain lines where stderr is no terminal
         with bar:
             for chunk, lengths, flat in encode_in_order(
                 _labelled(documents, is_val, done, bar.update, stats), pool, workers
             ):
                 sink.write(chunk, lengths, flat)
-                bar.update(sum(d.nbytes for d in chunk))
                 bar.set_postfix(docs=sink.docs, tokens=sink.tokens, refresh=False)
+                bar.update(sum(d.nbytes for d in chunk))
         pool.close()
         sink.close(stats["docs"])
     except BaseException:

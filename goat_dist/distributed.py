@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .compat import apply_cpu_compat
+from .rampup import sizes_to_come
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,49 @@ def check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
     else:
         fix = f"set {batches} (a multiple of {per_step})"
     raise LayoutError(f"impossible batch layout: {what}; {fix}")
+
+
+def _nearest(options: list[int], wanted: int) -> int:
+    return min(options, key=lambda v: (abs(v - wanted), v))  # a tie: the smaller
+
+
+def check_rampup(
+    final: int, micro_batch: int, dp: int, rampup, seq_len: int, consumed_samples: int = 0
+) -> None:
+    """Reject a ``train.batch_rampup`` whose global batches still to come (after ``consumed_samples``, a
+    resume's) ``micro_batch`` x ``dp`` does not divide, naming a ramp that works (the start and increment
+    nearest the given ones that are multiples of it), else the largest micro-batch size that divides every
+    size. A ramp already over is not checked; the final size is ``check_batch``'s."""
+    if not rampup:
+        return
+    check_batch(final, micro_batch, dp)
+    per_step = micro_batch * dp
+    sizes = sizes_to_come(consumed_samples, final, rampup, seq_len)
+    odd = [s for s in sizes if s % per_step]
+    if not odd:
+        return
+    start, increment, ramp_tokens = rampup
+    what = (
+        f"train.batch_rampup={list(rampup)} takes global batches of {', '.join(map(str, odd))} sequences, "
+        f"not divisible by train.micro_batch_size={micro_batch} x data-parallel size {dp} = {per_step}"
+    )
+    fixes = []
+    starts = list(range(per_step, final, per_step))
+    if starts:
+        new_start = _nearest(starts, start)
+        gap = final - new_start
+        new_increment = _nearest([d for d in range(per_step, gap + 1, per_step) if gap % d == 0], increment)
+        fixes.append(
+            f"train.batch_rampup=[{new_start},{new_increment},{ramp_tokens}] (multiples of {per_step})"
+        )
+    micro = [m for m in range(micro_batch - 1, 0, -1) if all(s % (m * dp) == 0 for s in sizes)]
+    if micro:
+        fixes.append(f"train.micro_batch_size={micro[0]} (the largest that divides every size)")
+    no_ramp = "train.batch_rampup=null (no ramp)"
+    if not starts:
+        no_ramp += f": no global batch below train.global_batch_size={final} is a multiple of {per_step}"
+    fixes.append(no_ramp)
+    raise LayoutError(f"impossible batch layout: {what}; set {', or '.join(fixes)}")
 
 
 def backend_for(cuda: bool) -> str:

@@ -10,7 +10,7 @@ steps) and the trainer share one definition.
 
 from __future__ import annotations
 
-__all__ = ["batch_at", "ramp_sizes", "steps_for_tokens"]
+__all__ = ["batch_at", "ramp_sizes", "sizes_to_come", "steps_for_tokens"]
 
 
 def _levels(start: int, increment: int, final: int) -> int:
@@ -34,6 +34,13 @@ def ramp_sizes(final: int, rampup) -> list[int]:
         return [final]
     start, increment, _ = rampup
     return list(range(start, final, increment)) + [final]
+
+
+def sizes_to_come(consumed_samples: int, final: int, rampup, seq_len: int) -> list[int]:
+    """The global batch sizes of the steps after ``consumed_samples`` (a resume's), the final one included:
+    those the layout must still divide."""
+    now = batch_at(consumed_samples, final, rampup, seq_len)
+    return [size for size in ramp_sizes(final, rampup) if size >= now]
 
 
 def steps_for_tokens(tokens: int, final: int, rampup, seq_len: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -56,13 +57,46 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}' expects {getattr(hint, '__name__', hint)}, got {value!r}")
 
 
+def _dotted_keys(obj: Any, prefix: str = "") -> list[str]:
+    """Every key of a config (section) ``obj``, dotted, sections and the keys inside them."""
+    keys = []
+    for name in typing.get_type_hints(type(obj)):
+        keys.append(f"{prefix}{name}")
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def _closest(name: str, options, cutoff: float) -> list[str]:
+    """difflib's close matches of ``name`` as good as the best one (``beta`` -> beta1, beta2)."""
+    close = difflib.get_close_matches(name, sorted(options), n=3, cutoff=cutoff)
+    if not close:
+        return []
+    ratio = {c: difflib.SequenceMatcher(None, name, c).ratio() for c in close}
+    return sorted((c for c in close if ratio[c] >= ratio[close[0]] - 0.02), key=lambda c: (-ratio[c], c))
+
+
+def _close_keys(name: str, hints: dict, prefix: str) -> list[str]:
+    """The keys a mistyped ``name`` (in the section at ``prefix``) was probably meant as: close matches
+    in its own section, else a key of that name (or nearly) in another section."""
+    close = _closest(name, hints, 0.6)
+    if close:
+        return [f"{prefix}{c}" for c in close]
+    keys = _dotted_keys(Config())
+    leaves = _closest(name, {k.rsplit(".", 1)[-1] for k in keys}, 0.8)
+    return [k for leaf in leaves for k in keys if k.rsplit(".", 1)[-1] == leaf][:3]
+
+
 def _merge(obj: Any, updates: dict, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     for name, value in updates.items():
         key = f"{prefix}{name}"
         if name not in hints:
             known = ", ".join(sorted(hints))
-            raise ConfigError(f"unknown config key '{key}' (known here: {known})")
+            close = _close_keys(str(name), hints, prefix)
+            guess = f": did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{guess} (known here: {known})")
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

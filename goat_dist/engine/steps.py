@@ -127,8 +127,12 @@ def set_micro_batches(engine, micro_batches: int) -> None:
     Call at a step boundary. DeepSpeed's ``set_train_batch_size`` keeps its global batch in its own units
     (micro-batch x accumulation x its data-parallel world, which counts CP replicas too) and divides each
     loss by the accumulation; ZeRO-1/2/3 read the count from the engine's config at every micro-batch
-    (their own copy serves CPU offload only, kept in step here)."""
+    (their own copy serves CPU offload only, kept in step here). DeepSpeed finds the accumulation boundary
+    from its micro-batch counter modulo the count: after a number of micro-batches the new count does not
+    divide (11 steps of 1, then 2), the boundary, and with it the optimizer step, would fall mid-step; the
+    counter is set back to a multiple of the new count, so each step's last micro-batch is the boundary."""
     size = engine.train_micro_batch_size_per_gpu() * micro_batches * engine.dp_world_size
     engine.set_train_batch_size(size)
+    engine.micro_steps -= engine.micro_steps % micro_batches
     if hasattr(engine.optimizer, "gradient_accumulation_steps"):
         engine.optimizer.gradient_accumulation_steps = micro_batches

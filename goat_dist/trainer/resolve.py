@@ -26,6 +26,18 @@ def saved_data_contract(step_dir: Path | None) -> dict | None:
         return None
 
 
+def saved_consumed_samples(step_dir: Path | None) -> int:
+    """The samples a checkpoint had consumed (its trainer_state.json), 0 without one (a new run).
+    Unreadable: 0 here; the resume itself then names the file."""
+    if step_dir is None:
+        return 0
+    try:
+        consumed = json.loads((Path(step_dir) / STATE).read_text())["run_state"]["consumed_samples"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return consumed if type(consumed) is int and consumed >= 0 else 0
+
+
 def resolve_run_config(
     cfg: Config, device, start: Path | None, init_source: Path | None, log=print
 ) -> tuple[Config, str | None]:

@@ -25,7 +25,7 @@ from ..engine.construct import partition_as_built
 from ..model import GPT
 from ..parallel.parallelize import parallelize
 from ..precision import autocast_context
-from ..rampup import batch_at, ramp_sizes
+from ..rampup import batch_at
 from . import nonfinite, unreadable
 from .callbacks import (
     Callback,
@@ -44,7 +44,7 @@ from .callbacks import (
 )
 from .control import StepControl, agree, batch_fingerprint
 from .deadline import Deadline
-from .resolve import resolve_run_config
+from .resolve import resolve_run_config, saved_consumed_samples
 from .signals import HANG_FRACTION, StopSignals
 from .state import LoopState, RunState
 
@@ -59,11 +59,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def gradient_accumulation(cfg: Config, dp: int) -> int:
-    """Micro-batches per step at the full global batch; every batch size of a ramp-up is checked too."""
+def gradient_accumulation(cfg: Config, dp: int, consumed_samples: int = 0) -> int:
+    """Micro-batches per step at the full global batch; the ramp-up's batch sizes still to come after
+    ``consumed_samples`` (a resume's: ``resolve.saved_consumed_samples``) are checked too."""
     t = cfg.train
-    for size in ramp_sizes(t.global_batch_size, t.batch_rampup):
-        distributed.check_batch(size, t.micro_batch_size, dp)
+    distributed.check_batch(t.global_batch_size, t.micro_batch_size, dp)
+    distributed.check_rampup(
+        t.global_batch_size, t.micro_batch_size, dp, t.batch_rampup, cfg.model.seq_len, consumed_samples
+    )
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
@@ -85,7 +88,6 @@ class Trainer:
             cfg.parallel.sp,
             cp=cfg.parallel.cp,
         )
-        self.grad_accum = gradient_accumulation(cfg, self.layout.dp)
         self.run_dir = cfg.run_dir
         self.state = RunState()
         log = print if self.layout.is_main else (lambda *a, **k: None)
@@ -99,6 +101,8 @@ class Trainer:
         # where the run starts decides GOAT's L_train before the model exists: its own checkpoint
         # (train.resume), else train.init_from (a new run from another run's weights), else nothing
         self._start = self.checkpoints.choose_resume(cfg.train.resume)
+        # a resume past part of a batch ramp-up: only its sizes still to come must divide
+        self.grad_accum = gradient_accumulation(cfg, self.layout.dp, saved_consumed_samples(self._start))
         self.init_source = None
         if self._start is None and cfg.train.init_from:
             self.init_source = extension.agree_on_source(cfg.train.init_from)

@@ -213,6 +213,23 @@ def test_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builti
         assert tokens[11] == 11 * 4 * 64 and tokens[12] == (11 * 4 + 8) * 64  # 4 until sample 44, then 8
 
 
+def test_a_resume_past_the_ramp_checks_only_the_batches_to_come(tmp_path, builtin_cache, uninterrupted):
+    """Micro-batch 4 at DP 2 cannot split the ramp's batches of 4; a new run is refused, naming the ramp,
+    but a resume after the ramp (step 12: sample 52 of the 44 it takes) only has batches of 8 to come."""
+    common = ["train.max_steps=14", f"data.cache_dir={builtin_cache}", "train.micro_batch_size=4", RAMP]
+    before = uninterrupted(1, [*common, "checkpoint.interval=12"])
+    refused = run(2, [*common, f"run.dir={tmp_path / 'new'}"], expect=None)  # torchrun's exit: 1
+    assert refused.returncode and "train.batch_rampup=[4, 4, 2816] takes global batches of 4 " in (
+        refused.stderr
+    )
+    after = tmp_path / "after"
+    run(2, [*common, f"train.resume={before}/checkpoints/step_00000012", f"run.dir={after}"])
+    expected, got = per_step(before), per_step(after)
+    for step in (13, 14):
+        assert abs(got[step][0] - expected[step][0]) <= 1e-4 * expected[step][0], f"step {step}"
+        assert got[step][1] == expected[step][1], f"step {step}: different data"
+
+
 # bf16 across layouts. Measured on the 2-core CPU machine: the first resumed step's loss within 1e-7
 # relative of the uninterrupted run (the same weights, rounded to bf16 from the same fp32 masters), the
 # second (after the first update by the new layout's optimizer) within 1.1e-5; the tolerance leaves ~10x.

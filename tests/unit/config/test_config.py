@@ -50,6 +50,28 @@ def test_bad_keys_and_values_name_the_key(override, needle):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize(
+    "override,key,guess",
+    [
+        ("train.max_step=5", "train.max_step", "train.max_steps"),
+        ("train.beta=0.9", "train.beta", "train.beta1 or train.beta2"),
+        ("trian.max_steps=5", "trian", "train"),
+        ("model.max_steps=5", "model.max_steps", "train.max_steps"),  # a key of another section
+    ],
+)
+def test_a_mistyped_key_leads_with_the_closest_keys(override, key, guess):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(f"unknown config key '{key}': did you mean {guess}? (known here: ")
+
+
+def test_a_key_like_none_lists_the_section_only():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.zzz=1"])
+    message = str(err.value)
+    assert "did you mean" not in message and "(known here: activation_checkpointing, " in message
+
+
 def test_yaml_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  warmup: 3\n")

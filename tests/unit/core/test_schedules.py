@@ -163,3 +163,50 @@ def test_the_planner_names_the_ramp_and_sizes_the_trainer_would_refuse():
     assert "[4, 12, 20, 28, 36, 44, 52, 60] are not divisible" in " ".join(
         make_plan(odd, 1, 8, gpu("h100-80gb"))["notes"]
     )
+
+
+ISSUE_RAMP = ["train.batch_rampup=[4,4,40960]", "train.global_batch_size=8", "train.micro_batch_size=4"]
+
+
+def test_a_ramp_the_layout_cannot_divide_is_named_with_a_fix():
+    """The ramp's start, not train.global_batch_size (already 8), is what DP 2 x micro-batch 4 can't split."""
+    from goat_dist.distributed import LayoutError
+    from goat_dist.trainer.trainer import gradient_accumulation
+
+    with pytest.raises(LayoutError) as err:
+        gradient_accumulation(load_config(None, ISSUE_RAMP), 2)
+    message = str(err.value)
+    assert "train.batch_rampup=[4, 4, 40960] takes global batches of 4 sequences" in message
+    assert "train.global_batch_size=4" not in message and "set train.global_batch_size" not in message
+    assert "set train.micro_batch_size=2 (the largest that divides every size)" in message
+    assert "train.batch_rampup=null" in message
+    # where a ramp of multiples of micro-batch x DP exists, it is the fix named first, and it works
+    cfg = load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=1",
+                             "train.batch_rampup=[4,4,100000]"])  # fmt: skip
+    with pytest.raises(LayoutError, match=r"; set train\.batch_rampup=\[8,8,100000\] \(multiples of 8\)"):
+        gradient_accumulation(cfg, 8)
+    fixed = load_config(None, ["train.global_batch_size=64", "train.micro_batch_size=1",
+                               "train.batch_rampup=[8,8,100000]"])  # fmt: skip
+    assert gradient_accumulation(fixed, 8) == 8
+
+
+def test_a_resume_checks_only_the_ramp_sizes_still_to_come(tmp_path):
+    """Past the ramp (10 samples of 4 = 640 tokens of 64), only the final size must divide; mid-ramp, the
+    sizes left still do."""
+    import json
+
+    from goat_dist.distributed import LayoutError
+    from goat_dist.rampup import sizes_to_come
+    from goat_dist.trainer.resolve import saved_consumed_samples
+    from goat_dist.trainer.trainer import gradient_accumulation
+
+    cfg = load_config(None, [*ISSUE_RAMP, "model.seq_len=64", "train.batch_rampup=[4,4,640]"])
+    assert sizes_to_come(0, 8, [4, 4, 640], 64) == [4, 8] and sizes_to_come(10, 8, [4, 4, 640], 64) == [8]
+    assert gradient_accumulation(cfg, 2, consumed_samples=10) == 1
+    with pytest.raises(LayoutError, match=r"train\.batch_rampup"):
+        gradient_accumulation(cfg, 2, consumed_samples=9)
+    step = tmp_path / "step_00000003"
+    step.mkdir()
+    (step / "trainer_state.json").write_text(json.dumps({"step": 3, "run_state": {"consumed_samples": 12}}))
+    assert saved_consumed_samples(step) == 12
+    assert saved_consumed_samples(None) == 0 and saved_consumed_samples(tmp_path) == 0  # no record: from 0

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from data_tools import encode
 from data_tools import restart as restart_mod
 from data_tools.cli import register
 from data_tools.corpus import stdlib_documents
@@ -178,9 +181,13 @@ def test_bad_input_is_reported_with_file_and_line(tokenizer, tmp_path, capsys):
     for name, (data, message) in cases.items():
         (tmp_path / name).write_bytes(data)
         capsys.readouterr()
-        assert prepare([tmp_path / name], tokenizer, tmp_path / f"out-{name}", "--workers", 0) == 1
+        assert prepare([tmp_path / name], tokenizer, tmp_path / f"out-{name}", "--workers", 0) == 2
         assert message in capsys.readouterr().err
     assert prepare([tmp_path / "missing*.jsonl"], tokenizer, tmp_path / "o", "--workers", 0) == 2
+    # bad data is a user error (exit 2) as everywhere in goat-dist, for tokenizer train too
+    args = ["tokenizer", "train", "--input", tmp_path / "bad.jsonl", "--vocab-size", 300]
+    assert goat(*args, "--out", tmp_path / "tok.json") == 2
+    assert "bad.jsonl:3: invalid JSON" in capsys.readouterr().err
 
 
 def test_inspect_names_corrupt_shards(docs, tokenizer, tmp_path, capsys):
@@ -218,3 +225,30 @@ def test_goat_dist_data_is_the_data_tools_cli(docs, tokenizer, tmp_path, capsys)
     assert "0 corrupt shard(s)" in capsys.readouterr().out
     assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
     assert "goat-dist data inspect: error:" in capsys.readouterr().err
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_plain_lines_where_stderr_is_no_terminal(docs, tokenizer, tmp_path, capsys, monkeypatch):
+    """In a log (stderr redirected): a line per 10 % of the input, no carriage returns; on a terminal, the
+    bar as before."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[:200]), encoding="utf-8")
+    args = ["prepare", "--input", source, "--tokenizer", tokenizer, "--shard-size", 0.01, "--workers", 0]
+    monkeypatch.setattr(encode, "CHUNK_DOCS", 16)  # 13 chunks: progress in steps
+    capsys.readouterr()
+    assert goat(*args, "--out", tmp_path / "logged") == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[data] prepare: ")]
+    assert "\r" not in err and 3 <= len(lines) <= 10, err
+    assert lines[-1].startswith("[data] prepare: 100% (") and lines[-1].endswith(" tokens"), lines[-1]
+    percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
+    assert percents == sorted(set(percents)) and all(p % 10 == 0 for p in percents)
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert goat(*args, "--out", tmp_path / "shown") == 0
+    assert "\r" in terminal.getvalue() and "[data] prepare: " not in terminal.getvalue()

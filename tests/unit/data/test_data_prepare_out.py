@@ -179,6 +179,37 @@ def test_an_interrupted_prepare_of_other_arguments_is_kept_until_restart(
     assert not (out / PROGRESS_NAME).exists()
 
 
+def test_a_prepare_that_failed_before_any_shard_is_retried_without_restart(tokenizer, tmp_path, capsys):
+    """A bad input line stops prepare before it finished a shard; once the input is fixed (another size:
+    other arguments), the same command runs: there is nothing of the failed run to keep."""
+    source = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": d}) + "\n" for d in DOCS]
+    source.write_text("".join(lines[:2]) + '{"text": oops}\n' + "".join(lines[3:]), encoding="utf-8")
+    out = tmp_path / "ds"
+    capsys.readouterr()
+    assert prepare(source, tokenizer, out) == 2
+    assert "docs.jsonl:3: invalid JSON" in capsys.readouterr().err
+    assert (out / PROGRESS_NAME).exists() and not list(out.glob("train-*"))
+
+    source.write_text("".join(lines), encoding="utf-8")
+    assert prepare(source, tokenizer, out) == 0
+    assert "finished no shard: starting over" in capsys.readouterr().out
+    assert read_manifest(out)["source"]["n_docs"] == len(DOCS) and not (out / PROGRESS_NAME).exists()
+
+
+def test_a_failed_prepare_that_committed_a_shard_still_needs_restart(
+    corpus, tokenizer, tmp_path, monkeypatch, capsys
+):
+    """A shard on disk the record only claims (renamed just before the crash) is a finished shard too."""
+    out = tmp_path / "ds"
+    interrupted(corpus, tokenizer, out, monkeypatch, "--prefix", "wiki", after=1, recorded=False)
+    record = json.loads((out / PROGRESS_NAME).read_text())
+    assert not any(record["splits"].values()) and (out / "wiki-000000.tar").exists()
+    capsys.readouterr()
+    assert prepare(corpus, tokenizer, out, "--prefix", "code") == 2
+    assert "--restart" in capsys.readouterr().err and (out / "wiki-000000.tar").exists()
+
+
 def test_resume_keeps_working_and_owns_a_shard_committed_before_its_record(
     corpus, tokenizer, tmp_path, monkeypatch, capsys
 ):

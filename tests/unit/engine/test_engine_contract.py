@@ -429,5 +429,24 @@ def test_the_facade_steps_as_deepspeeds_own_calls(world1, stage):
     assert model.training
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_changed_accumulation_steps_once_at_each_steps_last_micro_batch(world1, stage):
+    """A batch ramp-up: a step of 1 micro-batch, then steps of 2. DeepSpeed counts micro-batches modulo
+    the accumulation for its boundary; after 1 micro-batch, the next step's first of 2 would take the
+    optimizer step (and every later step be split across two)."""
+    _, engine = build_facade(stage, accum=2)
+    engine.set_micro_batches(1)
+    engine.backward(_loss(engine, seed=1))
+    engine.step()
+    assert engine.step_counters()["global_steps"] == 1
+    engine.set_micro_batches(2)
+    for step in (2, 3):
+        engine.backward(_loss(engine, seed=1), last=False)
+        assert engine.step_counters()["global_steps"] == step - 1, "an optimizer step after 1 of 2"
+        engine.backward(_loss(engine, seed=2))
+        engine.step()
+        assert engine.step_counters()["global_steps"] == step
+
+
 def _loss(engine, seed: int) -> torch.Tensor:
     return engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)))
