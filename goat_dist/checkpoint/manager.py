@@ -134,6 +134,21 @@ class CheckpointManager:
             )
         return moved
 
+    def check_room(self, need: int, saves: int | None, measure: bool) -> str:
+        """Collective, at start (after ``begin``): is there room in ``root`` for checkpoints of ``need``
+        bytes? Ranks with ``measure`` (each node's first) compare it with the bytes free; a disk without
+        room for one stops every rank with a CheckpointError naming run.dir, the bytes needed and free
+        (``space.room_at_start``). Returns this rank's warning ("" if none) when what ``keep_last`` keeps,
+        of ``saves`` saves (None: unbounded), does not fit."""
+        error = warning = ""
+        if measure:
+            kept = len(lineage.lineage(self.root, self.parent)) if self.parent else 0
+            error, warning = space.room_at_start(
+                self.root.parent, self.root, need, self.keep_last, kept, saves
+            )
+        raise_everywhere(error)
+        return warning
+
     # ---- saving -----------------------------------------------------------------------------------
     def _begin_save(self, trainer_state: dict) -> Path:
         step_dir = self.root / tag_for(trainer_state["step"])

@@ -6,6 +6,10 @@ collective that disagreed. Here rank 0 alone reads ``latest`` (or takes ``train.
 rank receives rank 0's answer, and every rank checks that it can see that checkpoint. If one cannot, all
 ranks stop with a CheckpointError naming the path and the ranks; no rank loads anything and none waits.
 
+A checkpoint that no rank sees does not exist (a step pruned by ``checkpoint.keep_last``, a typo in
+``train.resume=<path>``): the error says so and lists the complete checkpoints in that directory. The
+advice to share run.dir between nodes is given only when some rank sees it and another does not.
+
 The path travels as UTF-8 bytes in a tensor (no pickling between ranks). A relative path is resolved by
 each rank against its own working directory, as the run directory is.
 """
@@ -19,7 +23,8 @@ import torch.distributed as dist
 
 from .. import collectives
 from .errors import CheckpointError
-from .names import MANIFEST, STATE
+from .lineage import complete_tags
+from .names import LATEST, MANIFEST, STALE, STATE, step_of
 
 
 def broadcast_text(text: str | None) -> str | None:
@@ -63,6 +68,8 @@ def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path 
     if not blind:
         return path
     source = "rank 0's checkpoints/latest" if choice == "auto" else f"{key}={choice}"
+    if len(blind) == len(flags):  # no rank sees it: not a file system's doing
+        raise CheckpointError(not_found(path, source, key))
     if problem is not None:
         raise CheckpointError(
             f"rank {rank} cannot see checkpoint {path} ({problem}; resolved from {Path.cwd()}), which "
@@ -74,3 +81,53 @@ def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path 
         "Every rank must see the same checkpoint: put run.dir on a filesystem shared by all nodes, or copy "
         "the checkpoint to the same path on every node"
     )
+
+
+def _tags_text(tags: list[str], latest: str | None, most: int = 8) -> str:
+    """``tags`` (oldest first) in one line, ``latest`` marked; a long list shortened in the middle."""
+    named = [f"{t} (latest)" if t == latest else t for t in tags]
+    if len(named) > most:
+        named = [*named[:2], f"... {len(named) - most + 2} more ...", *named[-(most - 2) :]]
+    return ", ".join(named)
+
+
+def not_found(path: Path, source: str, key: str = "train.resume") -> str:
+    """The message for a checkpoint that no rank sees: it does not exist (or is incomplete), and which
+    complete checkpoints its directory holds."""
+    folder = path.parent
+    takes = f"{key} takes a checkpoint's step directory"
+    if not path.exists():
+        what = "does not exist"
+    elif not path.is_dir():
+        what = "is not a directory"
+    elif (path / "checkpoints").is_dir():
+        what, folder = f"is a run directory, not a checkpoint ({takes})", path / "checkpoints"
+    elif complete_tags(path):
+        what, folder = f"is a checkpoints directory, not a checkpoint ({takes})", path
+    else:
+        missing = MANIFEST if not (path / MANIFEST).is_file() else STATE
+        what = f"is not a complete checkpoint (it has no {missing}: an interrupted save?)"
+    where = "" if path.is_absolute() else f" (resolved from {Path.cwd()})"
+    message = f"checkpoint {path}, which {source} names, {what}{where}"
+    if not folder.is_dir():
+        return f"{message}; {folder} does not exist either"
+    tags = complete_tags(folder)
+    if not tags:
+        message += f"; {folder} holds no complete checkpoint"
+    else:
+        try:
+            latest = (folder / LATEST).read_text().strip() or None
+        except OSError:
+            latest = None
+        message += f"; the checkpoints in {folder}: {_tags_text(tags, latest)}"
+        if path.parent == folder and path.name.startswith("step_"):
+            try:
+                older = step_of(path.name) < step_of(tags[0])
+            except ValueError:
+                older = False
+            if older:
+                message += " (older ones are pruned: checkpoint.keep_last keeps the newest)"
+    stale = complete_tags(folder / STALE)
+    if stale:
+        message += f"; moved aside in {folder / STALE}: {_tags_text(stale, None)}"
+    return message + (f". Set {key} to one of them" if tags or stale else "")

@@ -5,6 +5,10 @@ Why: a full disk during a save ended the run with an OSError traceback (exit 1),
 the user's to fix (free space, or move ``run.dir``) and the previous checkpoint is intact. The message
 is built on the rank whose write failed (where the bytes free are measured) and raised on every rank
 as one CheckpointError (``digests.raise_everywhere``).
+
+At start (``room_at_start``, through ``CheckpointManager.check_room``) the same comparison is made before
+any work: a disk without room for one checkpoint stops the run at once (the error names run.dir, the
+bytes needed and free); one without room for what ``checkpoint.keep_last`` keeps is a warning.
 """
 
 from __future__ import annotations
@@ -65,4 +69,59 @@ def write_failure(
         + (f" ({'; '.join(figures)})" if figures else "")
         + f": {step_dir.name} is not saved and its partial files are removed; {kept}. Free space there "
         "(or move run.dir), then resume"
+    )
+
+
+def _size(n: int) -> str:
+    """``12,345,678 bytes (12.3 MB)``."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    return f"{n:,} bytes" + ("" if unit == "B" else f" ({value:.1f} {unit})")
+
+
+def checkpoints_to_come(keep_last: int, kept: int, saves: int | None) -> int | None:
+    """How many more checkpoints the run needs room for at its peak. ``kept``: this run's lineage already
+    on disk; ``saves``: the saves this run makes (None: no bound known, as with time-based saves).
+
+    With ``keep_last`` K the lineage holds K, and a save writes the next one before the oldest is pruned:
+    K + 1 at once (fewer when the run saves less). ``keep_last=0`` keeps every one. None: no bound."""
+    if saves == 0:
+        return 0
+    if keep_last <= 0:
+        return saves
+    peak = keep_last + 1 if saves is None else min(keep_last + 1, kept + saves)
+    return max(peak - kept, 1)
+
+
+def room_at_start(
+    run_dir: Path, root: Path, need: int, keep_last: int, kept: int, saves: int | None
+) -> tuple[str, str]:
+    """(error, warning) for a run about to write checkpoints of ``need`` bytes each into ``root`` (its
+    run dir's checkpoints/, which may not exist yet): an error when one does not fit in the bytes free,
+    a warning when what ``checkpoint.keep_last`` keeps does not; empty strings when all fits."""
+    free = free_bytes(root)
+    if free is None or need <= 0:
+        return "", ""
+    where = f"run.dir={run_dir}"
+    if free < need:
+        return (
+            f"{where}: no room for one checkpoint: it needs ~{_size(need)} and {_size(free)} are free "
+            f"there. Free space there or move run.dir; the run stopped before training"
+        ), ""
+    more = checkpoints_to_come(keep_last, kept, saves)
+    if more is None or more * need <= free:
+        return "", ""
+    held = (
+        f"keep_last={keep_last} keeps {keep_last}, and a save writes the next before the oldest is pruned"
+        if keep_last > 0
+        else f"keep_last=0 keeps every one, and this run saves {saves}"
+    )
+    return "", (
+        f"warning: {where}: room for {free // need} checkpoint(s) of ~{_size(need)} ({_size(free)} free), "
+        f"and this run needs room for {more} more (checkpoint.{held}; {kept} on disk now). The save that "
+        "finds the disk full stops the run (the previous checkpoint stays intact): free space, lower "
+        "checkpoint.keep_last, or move run.dir"
     )

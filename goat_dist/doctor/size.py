@@ -28,8 +28,14 @@ def checkpoint_bytes(cfg) -> int:
     return parameter_count(cfg.model, cfg.parallel.tp) * BYTES_PER_PARAM
 
 
+def next_checkpoint_bytes(cfg) -> int:
+    """The room one checkpoint of ``cfg`` asks for: ``checkpoint_bytes`` with DISK_HEADROOM (the doctor's
+    disk check, and the trainer's at start)."""
+    return int(checkpoint_bytes(cfg) * DISK_HEADROOM)
+
+
 def check_disk(report: Report, cfg, run_dir: Path) -> None:
-    need = int(checkpoint_bytes(cfg) * DISK_HEADROOM)
+    need = next_checkpoint_bytes(cfg)
     probe = run_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

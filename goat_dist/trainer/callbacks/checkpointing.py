@@ -12,6 +12,11 @@ Clock-based requests are made on rank 0 only, in ``post_backward``: they travel 
 collective, so every rank saves at the same boundary. A stop's checkpoint, and the end-of-run one, are
 published before the loop goes on; with ``checkpoint.async`` the others are published at a later step
 boundary once every rank's background writes are done (``CheckpointManager.poll``).
+
+At the start of training each node's first rank compares the next checkpoint's estimated size (the
+doctor's ``next_checkpoint_bytes``) with the bytes free under run.dir: without room for one, every rank
+stops before the first step (exit 2); without room for what ``checkpoint.keep_last`` keeps of this run's
+saves, rank 0 prints a warning (``CheckpointManager.check_room``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,29 @@ class Checkpointing(Callback):
 
     # ---- policy -----------------------------------------------------------------------------------
     def on_train_start(self, state, info):
+        self.check_room(state.step)
         self.last_save_time = time.monotonic()
+
+    def check_room(self, start: int) -> None:
+        """Collective: room under run.dir for this run's checkpoints (module docstring)."""
+        from ...doctor.size import next_checkpoint_bytes
+
+        layout = self.trainer.layout
+        need = next_checkpoint_bytes(self.cfg)
+        warning = self.checkpoints.check_room(need, self.planned_saves(start), layout.local_rank == 0)
+        if warning and layout.is_main:
+            print(warning, flush=True)
+
+    def planned_saves(self, start: int) -> int | None:
+        """The saves a run from step ``start`` makes by ``checkpoint.interval`` and at its end (None with
+        ``checkpoint.interval_minutes``: no bound; a stop's save replaces the end's)."""
+        if self.policy.interval_minutes:
+            return None
+        last, every = self.cfg.train.max_steps, self.policy.interval
+        saves = last // every - start // every if every and last > start else 0
+        if self.save_at_end and last > start and not (every and last % every == 0):
+            saves += 1
+        return saves
 
     def post_backward(self, state):
         """Rank 0's clock: a time-interval save, or the deadline's save and stop."""

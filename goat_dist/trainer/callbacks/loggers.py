@@ -11,10 +11,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...observe import tags
 from ...observe.step_metrics import mfu_text
 from .base import Callback
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 LOGGER_ORDER = 50  # after the trainer's jobs, whose output they write
 
@@ -147,15 +151,31 @@ class JsonlLogger(Callback):
 
 class TensorBoardLogger(Callback):
     """``<run_dir>/tensorboard/``: scalars under the tags of ``observe.tags`` (train/, perf/, mem/, data/,
-    val/, attn/), the GOAT prior's pictures (prior/), and the resolved config and code version as text."""
+    val/, attn/), the GOAT prior's pictures (prior/), and the resolved config and code version as text.
+
+    The event file is opened at the start of training with ``purge_step`` at the first step this run
+    logs (the run state's step + 1): after a resume from an older checkpoint, TensorBoard hides what an
+    earlier attempt wrote from that step on, so no step shows twice."""
 
     order = LOGGER_ORDER
 
     def __init__(self, log_dir: Path, config_text: str = "", code_version: str = ""):
+        self.log_dir = Path(log_dir)
+        self._writer: SummaryWriter | None = None
+        self.config_text, self.code_version = config_text, code_version
+
+    @property
+    def writer(self) -> SummaryWriter:
+        """The SummaryWriter (opened without a purge if an event comes before ``on_train_start``)."""
+        return self._writer if self._writer is not None else self._open(None)
+
+    def _open(self, purge_step: int | None) -> SummaryWriter:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.config_text, self.code_version = config_text, code_version
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        return self._writer
 
     def _scalars(self, metrics: dict, table: dict, step: int) -> None:
         for tag, value in tags.scalars(metrics, table):
@@ -163,6 +183,8 @@ class TensorBoardLogger(Callback):
         self.writer.flush()
 
     def on_train_start(self, state, info):
+        # the resumed step itself stays: the checkpoint holds what was logged up to it
+        self._open(purge_step=state.step + 1)
         if self.config_text:  # indented: TensorBoard renders text as markdown, this keeps YAML verbatim
             self.writer.add_text("run/config", textwrap.indent(self.config_text, "    "), state.step)
         if self.code_version:
@@ -181,4 +203,5 @@ class TensorBoardLogger(Callback):
         self._scalars({"prior_s": pictures["seconds"]}, tags.PRIOR_TAGS, state.step)
 
     def on_train_end(self, state):
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
