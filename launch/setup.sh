@@ -9,7 +9,11 @@ python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==${TORCH_VERSION}"
 fi
-python -m pip install -q numpy psutil wheel setuptools
-DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
-python -m pip install -q --no-build-isolation -e ".[test]"
+# the installed torch, pinned for every later install: nothing below may replace it (by a CUDA build, say)
+torch_pin="$(mktemp)"
+trap 'rm -f "$torch_pin"' EXIT
+python -c "import torch; print('torch==' + torch.__version__)" > "$torch_pin"
+python -m pip install -q -c "$torch_pin" numpy psutil wheel setuptools
+DS_BUILD_OPS=0 python -m pip install -q -c "$torch_pin" --no-build-isolation "deepspeed>=0.19.8,<0.20"
+python -m pip install -q -c "$torch_pin" --no-build-isolation -e ".[test]"
 python -c "import torch, deepspeed, megatron.core, webdataset, goat_dist; print('goat-dist ready: torch', torch.__version__)"

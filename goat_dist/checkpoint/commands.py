@@ -142,26 +142,34 @@ def register(sub) -> None:
     )
     p.add_argument("path", help="a run dir (its latest checkpoint), its checkpoints/ dir, or one step_* dir")
     p.set_defaults(func=cmd_verify)
-    p = ckpt.add_parser("export", help="consolidated weights: model.safetensors + config.json")
+    p = ckpt.add_parser(
+        "export", help="consolidated weights: model.safetensors + config.json, and a model card (README.md)"
+    )
     p.add_argument("path")
-    p.add_argument("out", help="a new or empty directory (a non-empty one is refused; see --force)")
+    p.add_argument(
+        "out", help="a new or empty directory, or one holding only your README.md (else refused; see --force)"
+    )
     p.add_argument(
         "--force",
         action="store_true",
-        help="replace OUT if it is a previous export (only: a run dir or any other directory is refused)",
+        help="replace OUT if it is a previous export: its own files only, yours beside them (a README.md, "
+        "notes) are kept; a run dir or any other directory is refused",
     )
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="fp32")
     p.add_argument(
         "--format",
         choices=("goat", "hf"),
         default="goat",
-        help="goat: goat-dist's own layout (generate, eval); hf: a Hugging Face transformers directory",
+        help="goat: goat-dist's own layout (generate, eval); hf: a Hugging Face transformers directory "
+        "(generate reads it too)",
     )
     p.set_defaults(func=cmd_export)
     p = sub.add_parser(
         "generate", help="text from an exported model: KV-cached, greedy or sampled (one process)"
     )
-    p.add_argument("--model", required=True, help="a `goat-dist ckpt export` output directory")
+    p.add_argument(
+        "--model", required=True, help="a `goat-dist ckpt export` output directory (--format goat or hf)"
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument(

@@ -25,6 +25,7 @@ from ..optim import is_prior
 from . import tensor_file, universal
 from .digests import read_checked, read_manifest
 from .manager import MANIFEST, STATE, CheckpointError, verify
+from .model_card import CARD
 from .slices import UniversalReader
 
 
@@ -124,70 +125,134 @@ def _stamps(root: Path) -> dict[str, list[int]]:
     return stamps
 
 
-def _previous_export(out: Path) -> tuple[bool, list[str]]:
-    """(whether ``out`` is an export this command wrote, the entries in it that the export did not write:
-    names it never wrote, and files of its names changed since, by size or modification time)."""
+def _written(out: Path) -> tuple[set[str], dict | None] | None:
+    """(the entries a previous export wrote into ``out``, their [size, mtime] when recorded: exports before
+    stamps were recorded have names only), or None when ``out`` holds no readable ``goat_export.json``."""
     try:
         marker = json.loads((out / MARKER).read_text())
-        written = set(marker["files"])
-        stamps = marker.get("stamps")  # exports before stamps were recorded: names only
+        written = {str(name) for name in marker["files"]}
+        stamps = marker.get("stamps")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False, []
-    foreign = [e for e in _entries(out) if e != MARKER and e not in written]
-    if isinstance(stamps, dict):
+        return None
+    return written, stamps if isinstance(stamps, dict) else None
+
+
+def _previous_export(out: Path) -> tuple[bool, list[str], list[str]]:
+    """(whether ``out`` is an export this command wrote, the top-level entries of it that are the user's,
+    the entries it cannot replace). The user's: names the export never wrote (a README.md, notes,
+    ``goat-dist eval``'s eval/) and its own model card once edited. Not replaceable: files of its other
+    names changed since, by size or modification time (weights saved over it), and entries added inside a
+    directory it wrote."""
+    found = _written(out)
+    if found is None:
+        return False, [], []
+    written, stamps = found
+    kept = [p.name for p in out.iterdir() if p.name != MARKER and p.name not in written]
+    blocked = [e for e in _entries(out) if "/" in e and e.split("/", 1)[0] in written and e not in written]
+    if stamps is not None:
         now = _stamps(out)
-        foreign += [
-            f"{name} (changed since the export)"
-            for name, st in sorted(now.items())
-            if name in written and stamps.get(name) != st
-        ]
-    return True, foreign
+        for name in sorted(written):
+            path = out / name
+            changed = path.is_symlink() or (path.exists() and stamps.get(name) != now.get(name))
+            if changed and name == CARD:
+                kept.append(name)  # the user's card now: kept, and no new one is written
+            elif changed:
+                blocked.append(f"{name} (changed since the export)")
+    return True, sorted(kept), blocked
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse an ``out`` the export would destroy: anything but a new or empty directory, or with
-    ``force`` a previous export holding nothing but what that export wrote. Nothing is written."""
+def check_out(out: Path, force: bool) -> list[str]:
+    """Refuse an ``out`` the export would destroy; return the entries in it that the export keeps (the
+    user's). ``out`` may be new or empty, or hold nothing but a model card (``README.md``); with ``force``
+    it may also be a previous export: its own files are replaced, the user's files beside them kept
+    (``_previous_export``). Anything else is refused, before anything is written."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise CheckpointError(f"export: {out} exists and is not a directory; choose a new or empty directory")
     if not out.exists():
-        return
+        return []
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
-        return
-    export, extra = _previous_export(out)
+        return []
+    export, kept, blocked = _previous_export(out)
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     if not export:
+        if entries == [CARD]:
+            return entries  # a model card written ahead of the export: kept, and none written over it
         raise CheckpointError(
             f"export: {out} is not empty ({shown}) and is not a `goat-dist ckpt export` directory (it has no "
             f"{MARKER}); nothing was written. Choose a new or empty directory (--force replaces only a "
             "previous export)"
         )
-    if extra:
+    if blocked:
         raise CheckpointError(
-            f"export: {out} is a previous export but also holds {', '.join(extra[:5])}, which the export "
+            f"export: {out} is a previous export but also holds {', '.join(blocked[:5])}, which the export "
             "did not write; nothing was written. Move those out, or choose a new directory"
         )
     if not force:
+        yours = f" (the export's own files only; {', '.join(kept[:5])} kept)" if kept else ""
         raise CheckpointError(
-            f"export: {out} holds a previous export; pass --force to replace it, or choose a new directory"
+            f"export: {out} holds a previous export; pass --force to replace it{yours}, or choose a new "
+            "directory"
         )
+    return kept
+
+
+def _remove_export(old: Path) -> None:
+    """Remove what the export renamed aside at ``old`` wrote (its ``goat_export.json`` lists it), then
+    ``old`` itself if nothing else is left: anything else found there stays."""
+    found = _written(old)
+    for name in sorted(found[0] if found else (), reverse=True):  # a directory's entries before it
+        path = old / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+    (old / MARKER).unlink(missing_ok=True)
+    try:
+        old.rmdir()
+    except OSError:
+        pass
 
 
 def _put_in_place(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished ``tmp`` to ``out``: over nothing or an empty directory, or (``force``) over a
-    previous export, which is renamed aside first and removed only once the new one is in place."""
-    check_out(out, force)  # again: something may have been put there while the export was written
+    """Rename the finished ``tmp`` to ``out``: over nothing or an empty directory, or over a previous
+    export (``force``) or a model card: ``out`` is renamed aside, the user's entries in it moved into
+    ``tmp``, ``tmp`` renamed to ``out``, and only then what the previous export wrote removed."""
+    keep = check_out(out, force)  # again: something may have been put there while the export was written
+    clash = sorted(set(keep) & {p.name for p in tmp.iterdir()})
+    if clash:
+        raise CheckpointError(
+            f"export: {out} holds {', '.join(clash)}, which the export did not write and writes now; "
+            "nothing was written. Move it out, or choose a new directory"
+        )
     if not out.exists() or not any(out.iterdir()):
         os.replace(tmp, out)  # an empty directory is replaced by the rename
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced.", dir=out.parent))
     os.replace(out, old)  # ``old`` is an empty directory: replaced by the rename
+    moved: list[str] = []
     try:
+        for name in keep:
+            os.replace(old / name, tmp / name)
+            moved.append(name)
         os.replace(tmp, out)
     except BaseException:
+        for name in reversed(moved):
+            os.replace(tmp / name, old / name)
         os.replace(old, out)
         raise
-    shutil.rmtree(old)
+    _remove_export(old)
+
+
+def _discard(tmp: Path, ours: set[str] | None) -> None:
+    """Remove an unfinished export's temporary directory, unless it holds entries it did not write (the
+    user's, had moving them back failed): those are never removed."""
+    if ours is not None and tmp.is_dir() and {p.name for p in tmp.iterdir()} - ours:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def export_dtype(name: str, target: torch.dtype) -> torch.dtype:
@@ -252,14 +317,17 @@ def export(
     """Write the consolidated weights of a checkpoint to ``out``. Atomic: built in a temp dir beside
     ``out``, then renamed into place.
 
-    ``out`` must be new or an empty directory; with ``force`` it may also be a previous export (its
-    ``goat_export.json`` lists what it wrote, and nothing else may be there), which is replaced. Anything
-    else (a run directory, the working directory) is refused before any work, and again before the rename.
+    ``out`` must be new, an empty directory or one holding only a model card (``README.md``); with
+    ``force`` it may also be a previous export (its ``goat_export.json`` lists what it wrote): its own files
+    are replaced, and the user's beside them (a README.md or other model card, notes, eval results) kept
+    (``check_out``). Anything else (a run directory, the working directory) is refused before any work,
+    and again before the rename.
 
     ``fmt="goat"``: ``out/model.safetensors`` (TP=1 parameter names and shapes), ``out/config.json`` (the
     model section of the run's config) and, when found, ``out/tokenizer.json``, for ``load_exported``.
     ``fmt="hf"``: a Hugging Face directory (``hf_export``): ``LlamaForCausalLM`` for a RoPE model, else
     a ``trust_remote_code`` model, with the tokenizer files ``AutoTokenizer`` reads.
+    Both: a model card, ``out/README.md`` (``model_card``), unless ``out`` holds the user's own.
     The values are the fp32 master weights of the universal state; ``dtype=bf16`` rounds all but the prior.
     Files and directory get the process umask's modes, as if written in place."""
     if fmt not in FORMATS:
@@ -267,7 +335,7 @@ def export(
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"export dtype {dtype!r}: expected fp32 or bf16")
     out = Path(os.path.abspath(out))  # "." has no name to build a temp dir beside
-    check_out(out, force)
+    keep = check_out(out, force)
     step_dir = resolve_step_dir(path)
     manifest = read_manifest(step_dir)  # the files read are checked as read: nothing else is hashed
     universal.require_state(step_dir, "export it", manifest)
@@ -279,10 +347,12 @@ def export(
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    ours: set[str] | None = None  # once known: the entries of ``tmp`` the export wrote
     try:
         metadata = {"step": str(state["step"]), "dtype": dtype}
         with UniversalReader(step_dir, 1, 0, manifest) as reader:
             source = Tensors.of(reader, target)
+            shapes = source.shapes
             if fmt == "hf":
                 from .hf_export import write_hf
 
@@ -293,6 +363,20 @@ def export(
             (tmp / "config.json").write_text(json.dumps(config["model"], indent=1))
             if tokenizer is not None:
                 shutil.copy(tokenizer, tmp / TOKENIZER_NAME)
+        if CARD not in keep:
+            from .model_card import render
+
+            card = render(
+                config,
+                state,
+                step_dir,
+                fmt=fmt,
+                dtype=dtype,
+                name=out.name,
+                shapes=shapes,
+                tokenizer=tokenizer,
+            )
+            (tmp / CARD).write_text(card, encoding="utf-8")
         marker = {
             "written_by": "goat-dist ckpt export",
             "format": fmt,
@@ -303,9 +387,10 @@ def export(
             "stamps": _stamps(tmp),  # the rename keeps them: what --force checks is still the export's
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        ours = {p.name for p in tmp.iterdir()}
         _readable(tmp)
         _put_in_place(tmp, out, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, ours)
         raise
     return out

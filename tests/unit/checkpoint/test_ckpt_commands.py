@@ -1,6 +1,7 @@
 """``goat-dist ckpt export`` never destroys what it did not write (a non-empty OUT is refused, ``--force``
-replaces only a previous export), in both formats; ``goat-dist ckpt verify`` says OK or names the corrupt
-file. In-process, through the command line's ``main``."""
+replaces only a previous export's own files and keeps the user's beside them), in both formats;
+``goat-dist ckpt verify`` says OK or names the corrupt file. In-process, through the command line's
+``main``."""
 
 from __future__ import annotations
 
@@ -108,14 +109,91 @@ def test_force_replaces_a_previous_export_and_only_with_force(run_dir, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the replaced export is gone
 
 
-def test_force_keeps_a_file_the_user_added_to_a_previous_export(run_dir, tmp_path, capsys):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_force_replaces_the_exports_files_and_keeps_the_users(run_dir, tmp_path, capsys, fmt):
+    """The Hugging Face habit: a model card (the export's own README.md, edited), notes and eval results
+    added to an export. --force replaces what the export wrote and keeps those, byte for byte."""
+    out = tmp_path / "exported"
+    assert export(capsys, run_dir, out, fmt)[0] == 0
+    (out / "README.md").write_text("# my model\nhow I trained it\n")
+    (out / "notes.txt").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "ppl.json").write_text("{}")
+    mine = {
+        k: v for k, v in snapshot(out).items() if k in ("README.md", "notes.txt", "eval", "eval/ppl.json")
+    }
+    first = snapshot(out)["model.safetensors"]
+
+    code, _, err = export(capsys, run_dir, out, fmt, "--dtype", "bf16")  # without --force: refused
+    assert code == 2 and "--force" in err and "README.md" in err and err.count("\n") == 1
+    code, text, err = export(capsys, run_dir, out, fmt, "--dtype", "bf16", "--force")
+    assert code == 0 and "exported" in text, err
+    now = snapshot(out)
+    assert {k: now.get(k) for k in mine} == mine  # the user's files, unchanged
+    assert now["model.safetensors"] != first  # the export's own, replaced
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["dtype"] == "bf16" and not {"README.md", "notes.txt", "eval"} & set(marker["files"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # nothing left beside it
+    # again: the user's card stays the user's (not in the marker, so never replaced)
+    assert export(capsys, run_dir, out, fmt, "--force")[0] == 0
+    assert (out / "README.md").read_text() == "# my model\nhow I trained it\n"
+
+
+def test_an_unedited_model_card_is_the_exports_and_is_replaced(run_dir, tmp_path, capsys):
     out = tmp_path / "exported"
     assert export(capsys, run_dir, out, "goat")[0] == 0
-    (out / "README.md").write_text("how I trained it")
+    assert "README.md" in json.loads((out / MARKER).read_text())["files"]
+    assert "goat-dist format, fp32 weights" in (out / "README.md").read_text()
+    assert export(capsys, run_dir, out, "goat", "--dtype", "bf16", "--force")[0] == 0
+    assert "goat-dist format, bf16 weights" in (out / "README.md").read_text()
+
+
+def test_a_directory_holding_only_a_model_card_is_exported_into(run_dir, tmp_path, capsys):
+    out = tmp_path / "my-model"
+    out.mkdir()
+    (out / "README.md").write_text("---\nlicense: apache-2.0\n---\n# my model\n")
+    card = snapshot(out)["README.md"]
+    code, _, err = export(capsys, run_dir, out, "hf")
+    assert code == 0, err
+    assert snapshot(out)["README.md"] == card and (out / "model.safetensors").is_file()
+    assert "README.md" not in json.loads((out / MARKER).read_text())["files"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-model"]
+
+
+def test_a_users_file_under_a_name_the_new_export_writes_is_refused(run_dir, tmp_path, capsys):
+    """A goat-format export holds the user's modeling_goat.py; an HF export over it would write its own."""
+    out = tmp_path / "exported"
+    assert export(capsys, run_dir, out, "goat")[0] == 0
+    (out / "modeling_goat.py").write_text("# mine\n")
     before = snapshot(out)
-    code, _, err = export(capsys, run_dir, out, "goat", "--force")
-    assert code == 2 and "README.md" in err
+    code, _, err = export(capsys, run_dir, out, "hf", "--force")
+    assert code == 2 and "modeling_goat.py" in err and "nothing was written" in err and err.count("\n") == 1
     assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def test_a_failed_rename_puts_everything_back(run_dir, tmp_path, capsys, monkeypatch):
+    """The new export failing to take OUT's place: the previous export and the user's files are back."""
+    import os
+
+    from goat_dist.checkpoint import export as export_module
+
+    out = tmp_path / "exported"
+    assert export(capsys, run_dir, out, "goat")[0] == 0
+    (out / "notes.txt").write_text("my notes")
+    before = snapshot(out)
+    real = os.replace
+
+    def failing(src, dst):
+        if str(dst) == str(out) and ".replaced." not in str(src):
+            raise OSError(5, "simulated I/O error")
+        return real(src, dst)
+
+    monkeypatch.setattr(export_module.os, "replace", failing)
+    with pytest.raises(OSError, match="simulated"):
+        export_module.export(run_dir, out, dtype="bf16", force=True)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
 
 
 def test_force_keeps_weights_written_over_a_previous_export_under_its_names(run_dir, tmp_path, capsys):

@@ -240,3 +240,80 @@ def test_hf_export_modes_follow_the_umask(exported, tmp_path, mask):
     }
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~mask, f.name
+
+
+# ---- goat-dist reads its Hugging Face exports back (generate, load_exported) -------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_load_exported_reads_the_hf_export(exported, variant):
+    """``load_exported`` on an HF export (Llama or remote-code) rebuilds goat-dist's model: q/k/v fused
+    again, SwiGLU's halves stacked, the vocabulary padded back; its logits are the trained model's."""
+    from goat_dist.inference import load_exported
+
+    model, out = exported[variant]
+    loaded, tokenizer = load_exported(out)
+    assert (tokenizer is not None) == (variant == "goat")
+    assert loaded.cfg.position == model.cfg.position and loaded.vocab_size == model.vocab_size
+    torch.manual_seed(4)
+    tokens = torch.randint(0, model.vocab_size, (2, 24))
+    positions = torch.arange(24).expand(2, -1)
+    got, want = _goat_logits(loaded, tokens, positions), _goat_logits(model, tokens, positions)
+    assert (got - want).abs().max().item() <= 1e-6
+
+
+def test_cli_generate_takes_either_export_format(exported, tmp_path, capsys):
+    """``goat-dist generate`` on the HF export prints what it prints on the goat-format export of the same
+    checkpoint, greedy and seeded sampling alike."""
+    from goat_dist.cli import main
+
+    _, hf = exported["goat"]
+    goat = export(hf.parent / "run-goat", tmp_path / "goat-format")
+
+    def run(model, *argv):
+        code = main(
+            ["generate", "--model", str(model), "--prompt", "def read(path):", "--max-new-tokens", "8", *argv]
+        )
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out
+
+    for argv in [(), ("--temperature", "0.9", "--top-p", "0.95", "--seed", "3")]:
+        text = run(hf, *argv)
+        assert text.startswith("def read(path):") and text == run(goat, *argv)
+
+
+def test_generate_refuses_a_llama_export_it_cannot_compute(exported, tmp_path, capsys):
+    import shutil
+
+    from goat_dist.cli import main
+
+    _, out = exported["rope"]
+    other = tmp_path / "scaled"
+    shutil.copytree(out, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (other / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model", str(other), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rope type 'yarn'" in err and str(other) in err
+
+
+def test_lm_eval_hf_model_scores_the_export(exported):
+    """``lm_eval --model hf`` on an export, with what the setup installs (lm-eval, and accelerate, which
+    its hf model imports): lm-eval's log-likelihood of a continuation is the model's own."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM  # imports accelerate
+
+    model, out = exported["goat"]
+    lm = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=1, dtype="float32")
+    context, continuation = "def read(path):", "\n    return open(path).read()"
+    request = Instance("loglikelihood", {}, (context, continuation), 0)
+    [(logprob, _)] = lm.loglikelihood([request], disable_tqdm=True)
+    ids_context = lm.tok_encode(context)
+    ids_all = lm.tok_encode(context + continuation)
+    tokens = torch.tensor([ids_all])
+    logits = _goat_logits(model, tokens, torch.arange(len(ids_all))[None])[0].log_softmax(-1)
+    n = len(ids_all) - len(ids_context)
+    expected = sum(logits[i - 1, ids_all[i]].item() for i in range(len(ids_all) - n, len(ids_all)))
+    assert abs(logprob - expected) <= 1e-4

@@ -172,16 +172,21 @@ def test_generate_refuses_a_run_directory_naming_the_export_step(tmp_path, capsy
     assert "found a step directory" in generate(step, capsys)
 
 
-def test_generate_refuses_a_hugging_face_export(tmp_path, capsys):
+def test_generate_refuses_a_hugging_face_model_goat_dist_did_not_export(tmp_path, capsys):
+    """goat-dist's own HF exports load (tests/unit/checkpoint/test_hf_export.py); another model type, or
+    a Llama config.json without a key goat-dist's model needs, is refused by name."""
     hf = tmp_path / "hf"
     hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (hf / "model.safetensors").write_bytes(b"")
+    err = generate(hf, capsys)
+    assert "found a Hugging Face model of type 'gpt2', which goat-dist did not export" in err
+    assert "llama or goat_dist" in err and "transformers" in err
     (hf / "config.json").write_text(
         json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
     )
-    (hf / "model.safetensors").write_bytes(b"")
     err = generate(hf, capsys)
-    assert "found a Hugging Face export (config.json model_type 'llama')" in err
-    assert "transformers" in err and "--format goat" in err
+    assert "lacks or mistypes 'num_attention_heads'" in err and "--format hf" in err
 
 
 def test_generate_names_what_an_other_directory_holds(tmp_path, capsys):
