@@ -125,12 +125,19 @@ def _stamps(root: Path) -> dict[str, list[int]]:
     return stamps
 
 
+def _inside(name: str) -> bool:
+    """Whether ``name`` is a path relative to the export directory that stays inside it."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
 def _written(out: Path) -> tuple[set[str], dict | None] | None:
     """(the entries a previous export wrote into ``out``, their [size, mtime] when recorded: exports before
     stamps were recorded have names only), or None when ``out`` holds no readable ``goat_export.json``."""
     try:
         marker = json.loads((out / MARKER).read_text())
-        written = {str(name) for name in marker["files"]}
+        # only names inside ``out``: a marker edited to name "../x" or "/x" never reaches outside it
+        written = {str(name) for name in marker["files"] if _inside(str(name))}
         stamps = marker.get("stamps")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -139,6 +139,18 @@ def test_force_replaces_the_exports_files_and_keeps_the_users(run_dir, tmp_path,
     assert (out / "README.md").read_text() == "# my model\nhow I trained it\n"
 
 
+def test_force_never_removes_what_a_tampered_marker_names_outside_the_export(run_dir, tmp_path, capsys):
+    out = tmp_path / "exported"
+    assert export(capsys, run_dir, out, "goat")[0] == 0
+    outside = tmp_path / "precious.txt"
+    outside.write_text("the user's")
+    marker = json.loads((out / MARKER).read_text())
+    marker["files"] += ["../precious.txt", str(outside)]
+    (out / MARKER).write_text(json.dumps(marker))
+    assert export(capsys, run_dir, out, "goat", "--force")[0] == 0
+    assert outside.read_text() == "the user's"
+
+
 def test_an_unedited_model_card_is_the_exports_and_is_replaced(run_dir, tmp_path, capsys):
     out = tmp_path / "exported"
     assert export(capsys, run_dir, out, "goat")[0] == 0
