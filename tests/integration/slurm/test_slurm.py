@@ -187,7 +187,10 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(cluster, jobdir, bu
 
     assert int(record["Restarts"]) >= 1
     first, *rest = attempts(run_dir)
-    assert first["status"] == "checkpointed" and first["reason"] == "SIGUSR1" and first["action"] == "requeue"
+    # Slurm signals the tasks one by one: rank 0 names SIGUSR1 when it got it before the step's agreement,
+    # else the flag another rank's signal raised in that agreement (both a preemption, checkpointed)
+    assert first["status"] == "checkpointed" and first["action"] == "requeue"
+    assert first["reason"] in ("SIGUSR1", "signal on another rank"), first
     assert 8 <= first["step"] < 40
     assert rest[-1]["status"] == "finished" and rest[-1]["step"] == 40
     text = log_text(log)
