@@ -15,6 +15,15 @@ At start (rank 0), complete checkpoints newer than the run's starting point are 
 line of training this run has abandoned. They are moved to ``checkpoints/stale/`` (not deleted; the
 user decides) with a message naming them, and ``latest`` is repointed if it named one of them. Moving
 rather than refusing keeps a deliberate rollback a one-command operation.
+
+A pinned start (``train.resume=<step dir>``): the pin is where the run begins, as torchtitan's
+``initial_load_path`` and Megatron's ``--load`` work. Every checkpoint records its lineage's origin
+(``lineage_origin``: the resolved pin that began it, inherited by every descendant). When the run dir's
+``latest`` descends from the same pin, the run continues from it and nothing is moved: a forked run (or a
+rollback) requeued by Slurm with the same overrides, after a preemption, an OOM or a lost node, goes on
+from its own newest checkpoint instead of going back to the pin at every restart. A pin that began no
+checkpoint of this run dir (a new fork, a rollback, checkpoints saved before origins were recorded) starts
+from the pin, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +36,27 @@ from ..atomic import atomic_write_text
 from .names import LATEST, MANIFEST, STALE, STATE, step_of
 
 PARENT = "lineage_parent"
+ORIGIN = "lineage_origin"  # the train.resume pin this lineage began at (resolved), or None
+
+
+def origin_of(pin: Path) -> str:
+    """How a pin is recorded and compared: its resolved path (the same pin however it was spelled)."""
+    return str(Path(pin).resolve())
+
+
+def recorded_origin(step_dir: Path) -> str | None:
+    """The pin the checkpoint ``step_dir``'s lineage began at (None: no pin, or not recorded)."""
+    try:
+        return json.loads((Path(step_dir) / STATE).read_text()).get(ORIGIN)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def continues_pin(pin: Path, own_latest: Path | None) -> bool:
+    """Does this run dir's ``latest`` descend from ``pin`` (so a run pinned there continues from it)?"""
+    if own_latest is None or not (Path(own_latest) / MANIFEST).is_file():
+        return False
+    return recorded_origin(own_latest) == origin_of(pin)
 
 
 def complete_tags(root: Path) -> list[str]:

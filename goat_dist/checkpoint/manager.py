@@ -96,6 +96,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.is_main = is_main
         self.parent: str | None = None  # this run's previous checkpoint in root (its lineage), if any
+        self.origin: str | None = None  # the train.resume pin this run's lineage began at (lineage.py)
+        self._pin: str | None = None  # set when this run starts at its pin itself (choose_resume)
         self.pending: PendingSave | None = None  # an asynchronous save not yet published
         self.last_save_s: float | None = None  # the last published save, start to publish
         self._published_bytes = 0
@@ -114,15 +116,33 @@ class CheckpointManager:
         rank 0 and seen by every rank (else a CheckpointError on all ranks naming the path and rank)."""
         if choice == "never":
             return None
-        return agree_on_checkpoint(choice, self.latest)
+        chosen = agree_on_checkpoint(choice, self.latest, pinned=self._continue_pin)
+        if choice != "auto" and chosen == Path(choice):
+            self._pin = lineage.origin_of(chosen)  # this run's lineage begins at the pin
+        return chosen
 
-    def begin(self, resumed_from: Path | None, start_step: int) -> list[str]:
+    def _continue_pin(self, pin: Path) -> Path:
+        """Rank 0: where a run pinned to ``pin`` resumes: this run dir's ``latest`` when it descends from
+        the pin (a requeue of the same command), else the pin itself (lineage.py)."""
+        own = self.latest()
+        if own is None or own.resolve() == pin.resolve() or not lineage.continues_pin(pin, own):
+            return pin
+        print(
+            f"train.resume={pin}: this run dir holds checkpoints of its own that began at that pin; "
+            f"continuing from the newest, {own} (the pin is where the run started)"
+        )
+        return own
+
+    def begin(self, resumed_from: Path | None, start_step: int, origin: str | None = None) -> list[str]:
         """Rank 0, once the run's starting point is known: start this run's lineage there and move
-        checkpoints newer than it (not in its lineage) to ``checkpoints/stale/``. Returns the moved tags."""
+        checkpoints newer than it (not in its lineage) to ``checkpoints/stale/``. Returns the moved tags.
+        ``origin``: the lineage origin the checkpoint resumed from recorded (kept unless the run starts at
+        its pin)."""
         start_tag = None
         if resumed_from is not None and Path(resumed_from).parent.resolve() == self.root.resolve():
             start_tag = Path(resumed_from).name
         self.parent = start_tag
+        self.origin = self._pin or origin
         if not self.is_main or not self.root.is_dir():
             return []
         moved = lineage.move_aside_newer(self.root, start_step, start_tag)
@@ -153,6 +173,7 @@ class CheckpointManager:
     def _begin_save(self, trainer_state: dict) -> Path:
         step_dir = self.root / tag_for(trainer_state["step"])
         trainer_state[lineage.PARENT] = self.parent if self.parent != step_dir.name else None
+        trainer_state[lineage.ORIGIN] = self.origin
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if step_dir.exists():  # a leftover of an interrupted save of the same step

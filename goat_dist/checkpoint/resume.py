@@ -51,13 +51,18 @@ def what_is_missing(step_dir: Path) -> str | None:
     return None
 
 
-def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path | None:
+def agree_on_checkpoint(choice: str, latest, key: str = "train.resume", pinned=None) -> Path | None:
     """Collective. ``choice``: ``train.resume`` (auto or a path; never is handled by the caller);
-    ``latest``: a function giving this run dir's latest checkpoint, called on rank 0 only."""
+    ``latest``: a function giving this run dir's latest checkpoint, called on rank 0 only; ``pinned``: a
+    function from the pinned path to the checkpoint to use (the run's own newest when it began at the pin;
+    ``CheckpointManager._continue_pin``), on rank 0 only."""
     rank = dist.get_rank()
     mine = None
     if rank == 0:
-        mine = latest() if choice == "auto" else Path(choice)
+        if choice == "auto":
+            mine = latest()
+        else:
+            mine = Path(choice) if pinned is None else pinned(Path(choice))
     chosen = broadcast_text(None if mine is None else str(mine))
     if chosen is None:
         return None
@@ -67,7 +72,8 @@ def agree_on_checkpoint(choice: str, latest, key: str = "train.resume") -> Path 
     blind = [r for r, f in enumerate(flags) if f.item()]
     if not blind:
         return path
-    source = "rank 0's checkpoints/latest" if choice == "auto" else f"{key}={choice}"
+    own = choice == "auto" or path != Path(choice)
+    source = "rank 0's checkpoints/latest" if own else f"{key}={choice}"
     if len(blind) == len(flags):  # no rank sees it: not a file system's doing
         raise CheckpointError(not_found(path, source, key))
     if problem is not None:

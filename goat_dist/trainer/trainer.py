@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed
-from ..checkpoint import CheckpointManager, extension
+from ..checkpoint import CheckpointManager, extension, lineage
 from ..config import Config, save_run_config
 from ..data import contract as data_contract
 from ..data.batches import data_sources, train_loader, val_loader
@@ -167,7 +167,7 @@ class Trainer:
                     )
             return None
         saved = self.checkpoints.load(self.engine, path, self.layout_record(), contract=self.contract)
-        self.checkpoints.begin(path, saved["step"])
+        self.checkpoints.begin(path, saved["step"], saved.get(lineage.ORIGIN))
         self.state.load_state_dict(saved["run_state"])
         self.saved_callbacks = saved.get("callbacks") or {}  # none before callbacks had state: fresh
         restart = data_contract.check(

@@ -98,7 +98,8 @@ class ConsoleLogger(Callback):
 
     def stop_line(self, state) -> str:
         """``stopped at step N (reason): checkpoint PATH; run the same command to continue``: a stop
-        always saves its step, and ``train.resume=auto`` (the default) continues from the latest."""
+        always saves its step, and ``train.resume=auto`` (the default) or a pin this run began at continues
+        from the latest (``checkpoint/lineage.py``); only ``train.resume=never`` needs changing."""
         if self.checkpoint is None:
             saved = "no checkpoint written"
         elif self.checkpoint[0] == state.step:
@@ -107,7 +108,7 @@ class ConsoleLogger(Callback):
             saved = f"latest checkpoint {self.checkpoint[1]} (step {self.checkpoint[0]})"
         cfg = getattr(self.trainer, "cfg", None)
         resume = "auto" if cfg is None else str(cfg.train.resume)
-        how = "run the same command" if resume == "auto" else "run the same command with train.resume=auto"
+        how = "run the same command with train.resume=auto" if resume == "never" else "run the same command"
         return f"stopped at step {state.step} ({state.stop_requested}): {saved}; {how} to continue"
 
 

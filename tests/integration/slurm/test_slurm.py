@@ -300,6 +300,40 @@ def test_crash_is_restarted_a_bounded_number_of_times(cluster, jobdir, builtin_c
     assert "took over the lock of a trainer that is gone" in second, second[-3000:]
 
 
+def test_a_pinned_fork_requeued_after_a_kill_continues_from_its_own_newest(
+    cluster, jobdir, builtin_cache, plain
+):
+    """``run.dir=fork train.resume=<plain>/step_40``, one task, SIGKILLed once step 42 is saved
+    (``KillAfter:42``, every attempt that reaches step 42): the requeue keeps the same overrides and must
+    continue from the fork's own step 42, so it never reaches step 42's kill again and finishes at 46.
+    Resumed from the pin instead, it would be killed again and the job would fail."""
+    job, log, source = plain
+    done(cluster, job, log)
+    pin = source / "checkpoints" / "step_00000040"
+    run_dir = jobdir / "pinned-fork"
+    overrides = tiny(
+        builtin_cache,
+        "train.max_steps=46",
+        "checkpoint.interval=2",
+        f"run.dir={run_dir}",
+        f"train.resume={pin}",
+    )
+    overrides.append(fault_override("KillAfter:42"))
+    args = ["--ntasks=1", "slurm/train.sbatch", "--max-restarts", "1", CONFIG, *overrides]
+    job, log = submit(cluster, jobdir, args, env=job_env(cluster, **fault_env()))
+    record = done(cluster, job, log)
+    assert record["Restarts"] == "1", record
+    assert [(a["status"], a["action"]) for a in attempts(run_dir)][0] == ("failed", "requeue")
+    text = log_text(log)
+    first, second = text.split("(restart 1)", 1)
+    assert f"resumed from {pin} (step 40" in first, first[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000042'} (step 42" in second, second[-3000:]
+    assert "continuing from the newest" in second
+    assert not (run_dir / "checkpoints" / "stale").exists()  # nothing the fork wrote was moved aside
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000046"
+    assert (source / "checkpoints" / "latest").read_text().strip() == "step_00000040"  # the source untouched
+
+
 def srun_pids(run_dir: Path) -> list[int]:
     """The ``srun`` processes of a job's training step (``srun ... goat_dist train run.dir=<run_dir>``)."""
     want, found = f"run.dir={run_dir}", []

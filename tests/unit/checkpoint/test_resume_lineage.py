@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from goat_dist.checkpoint import CheckpointManager
-from goat_dist.checkpoint.lineage import PARENT, lineage
+from goat_dist.checkpoint.lineage import ORIGIN, PARENT, lineage, recorded_origin
 from goat_dist.checkpoint.names import STALE, STATE
 
 
@@ -100,3 +100,73 @@ def test_checkpoints_without_recorded_parents_prune_by_step(engine, tmp_path):
     assert resumed.begin(manager.root / "step_00000003", 3) == []
     save(resumed, engine, 4)
     assert steps_in(manager.root) == [3, 4]
+
+
+def start(manager: CheckpointManager, resume: str):
+    """What the trainer does at start: rank 0's choice, then the lineage begun at it (nothing loaded)."""
+    chosen = manager.choose_resume(resume)
+    step = int(chosen.name.split("_")[1]) if chosen else 0
+    moved = manager.begin(chosen, step, recorded_origin(chosen) if chosen else None)
+    return chosen, moved
+
+
+def test_a_pinned_fork_requeued_continues_from_its_own_newest(engine, tmp_path, capsys):
+    """``run.dir=new train.resume=old/step_6``, killed after saving 10, run again with the same command
+    (a Slurm requeue): it continues from new's step 10, not from old's 6, and moves nothing aside."""
+    old = CheckpointManager(tmp_path / "old", keep_last=0)
+    old.begin(None, 0)
+    for step in (4, 6):
+        save(old, engine, step)
+    pin = str(old.root / "step_00000006")
+
+    first = CheckpointManager(tmp_path / "new", keep_last=3)
+    assert start(first, pin) == (old.root / "step_00000006", [])
+    for step in (8, 10):
+        save(first, engine, step)
+    assert recorded_origin(first.root / "step_00000010") == str(old.root.resolve() / "step_00000006")
+
+    again = CheckpointManager(tmp_path / "new", keep_last=3)
+    assert start(again, pin) == (again.root / "step_00000010", [])
+    assert "continuing from the newest" in capsys.readouterr().out
+    save(again, engine, 12)  # the origin is inherited: the next requeue continues too
+    assert start(CheckpointManager(tmp_path / "new"), pin)[0] == again.root / "step_00000012"
+    assert not (again.root / STALE).exists() and steps_in(again.root) == [8, 10, 12]
+    assert steps_in(old.root) == [4, 6]
+
+    # another pin is a new start: the run's own newer checkpoints leave its lineage, as a rollback's do
+    chosen, moved = start(CheckpointManager(tmp_path / "new"), str(old.root / "step_00000004"))
+    assert chosen == old.root / "step_00000004" and moved == [
+        "step_00000008",
+        "step_00000010",
+        "step_00000012",
+    ]
+
+
+def test_a_pinned_rollback_requeued_continues_from_the_new_line(engine, tmp_path):
+    """``train.resume=<own older step>`` rolls back once; the same command again continues the new line."""
+    run = CheckpointManager(tmp_path, keep_last=0)
+    run.begin(None, 0)
+    for step in (8, 10, 12):
+        save(run, engine, step)
+    pin = str(run.root / "step_00000008")
+    rollback = CheckpointManager(tmp_path, keep_last=0)
+    assert start(rollback, pin) == (run.root / "step_00000008", ["step_00000010", "step_00000012"])
+    save(rollback, engine, 9)
+    requeued = CheckpointManager(tmp_path, keep_last=0)
+    assert start(requeued, pin) == (run.root / "step_00000009", [])
+    assert sorted(p.name for p in (run.root / STALE).iterdir()) == ["step_00000010", "step_00000012"]
+
+
+def test_a_pin_without_a_recorded_origin_starts_at_the_pin(engine, tmp_path):
+    """Checkpoints saved before origins were recorded: the pin wins, as it always did."""
+    old = CheckpointManager(tmp_path / "old", keep_last=0)
+    old.begin(None, 0)
+    save(old, engine, 2)
+    pin = str(old.root / "step_00000002")
+    new = CheckpointManager(tmp_path / "new", keep_last=0)
+    start(new, pin)
+    save(new, engine, 3)
+    state = json.loads((new.root / "step_00000003" / STATE).read_text())
+    del state[ORIGIN]
+    (new.root / "step_00000003" / STATE).write_text(json.dumps(state))
+    assert start(CheckpointManager(tmp_path / "new"), pin)[0] == old.root / "step_00000002"

@@ -45,6 +45,15 @@ def test_a_run_that_does_not_resume_by_itself_is_told_how():
     )
 
 
+def test_a_pinned_run_continues_with_the_same_command():
+    """A pin continues from the run's own newest checkpoint that began at it (checkpoint/lineage.py)."""
+    console, out = logger(resume="runs/old/checkpoints/step_00000140")
+    state = RunState(step=160, stop_requested="SIGTERM")
+    console.on_checkpoint(state, {"path": "runs/new/checkpoints/step_00000160", "save_s": 0.1})
+    console.on_train_end(state)
+    assert out.getvalue().splitlines()[-1].endswith("step_00000160; run the same command to continue")
+
+
 def test_a_finished_run_still_says_done():
     console, out = logger()
     console.on_train_end(RunState(step=30, consumed_tokens=61440, elapsed_s=48))
