@@ -9,6 +9,7 @@ tokenizer and names each data set's results file.
 May import: torch, ``goat_dist.atomic`` (results written whole), ``goat_dist.collectives``,
 ``goat_dist.config``, ``goat_dist.precision``, ``goat_dist.distributed``, ``goat_dist.launcher``,
 ``goat_dist.data``, ``goat_dist.model``, ``goat_dist.checkpoint`` (loading at any TP size),
+``goat_dist.inference`` (a Hugging Face export mapped back),
 ``goat_dist.run_lock`` (a study's ``--force`` deletes no run a trainer holds) and ``goat_dist.observe``
 (pictures); never the trainer (a study runs ``goat-dist train`` as a process).
 """

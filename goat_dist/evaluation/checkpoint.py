@@ -2,7 +2,7 @@
 
 Accepted: a run directory (its ``checkpoints/latest``), a ``checkpoints/`` directory, one ``step_*``
 directory (its universal state, read through ``checkpoint.slices.UniversalReader``), or a ``goat-dist ckpt
-export`` directory (``model.safetensors`` + ``config.json``). Nothing is unpickled.
+export`` directory (``model.safetensors`` + ``config.json``, either format). Nothing is unpickled.
 
 Why in two steps: ``read_checkpoint`` runs before the process groups exist (the model's config decides
 the layout) and reads only the config and run state; ``build_model`` builds the model for this rank's
@@ -66,18 +66,49 @@ class ExportTensors:
 
         if self.file is None:
             self.file = TensorFile(self.path, str(self.path))
-        if name not in self.file:
-            raise KeyError(f"{source}: no weights for parameter {name}")
-        full = self.file.read_whole(name).float()
+        full = self.whole(name, source)
         meta = universal.split_meta(p)
         if meta["tp_split"] and meta["dim"] == 0 and full.shape[0] != p.shape[0] * tp:
             full = _fit_rows(full, p.shape[0] * tp)  # the (padded) vocabulary of embedding / output
         return universal.split(full, meta, tp, tp_rank)
 
+    def whole(self, name: str, source: Path) -> torch.Tensor:
+        if name not in self.file:
+            raise KeyError(f"{source}: no weights for parameter {name}")
+        return self.file.read_whole(name).float()
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+class HFExportTensors(ExportTensors):
+    """A Hugging Face export's ``model.safetensors`` (``ckpt export --format hf``): its tensors mapped back
+    to goat-dist's names and layout (``inference.from_hf_tensors``: q/k/v fused again per KV group, SwiGLU's
+    halves stacked). The mapping needs the whole model, read once on first use; an export is a model one
+    GPU holds."""
+
+    def __init__(self, path: Path, cfg: ModelConfig):
+        super().__init__(path)
+        self.cfg = cfg
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def whole(self, name: str, source: Path) -> torch.Tensor:
+        if self.state is None:
+            from safetensors.torch import load_file
+
+            from ..inference import from_hf_tensors
+
+            self.state = from_hf_tensors(self.cfg, load_file(str(self.path)), str(source))
+        state = self.state
+        if name not in state:
+            raise KeyError(f"{source}: no weights for parameter {name}")
+        return state[name].float()
+
+    def close(self) -> None:
+        self.state = None
+        super().close()
 
 
 class UniversalTensors:
@@ -125,8 +156,14 @@ def _read(path: Path):
     """(model config dict, tensor source, step, source dir, run dir, run config): the config and run state
     only; the tensors are read by ``build_model``."""
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
-        tensors = ExportTensors(path / "model.safetensors")
-        raw = json.loads((path / "config.json").read_text())
+        from ..inference import export_config
+
+        raw, fmt = export_config(path)  # either export format; another program's model is refused by name
+        tensors: ExportTensors
+        if fmt == "hf":
+            tensors = HFExportTensors(path / "model.safetensors", _model_config(raw, None))
+        else:
+            tensors = ExportTensors(path / "model.safetensors")
         return raw, tensors, tensors.step, path, None, None
     from ..checkpoint import universal
     from ..checkpoint.digests import read_checked, read_manifest

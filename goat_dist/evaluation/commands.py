@@ -69,29 +69,39 @@ def _run(args, body) -> int:
     return code
 
 
+def _ppl_line(r: dict) -> str:
+    return f"{r['length']:>7} tokens | {r['windows']:>5} windows | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}"
+
+
 def cmd_ppl(args) -> int:
     def body(session) -> list[str]:
         from .reports import ppl_report, write_ppl
+        from .session import run_data_sets
 
-        report = ppl_report(
-            session,
-            args.data,
-            args.split,
-            args.lengths,
-            args.tokens,
-            args.batch_tokens,
-            allow_other_tokenizer=args.allow_other_tokenizer,
-        )
-        lines = [
-            f"{r['length']:>7} tokens | {r['windows']:>5} windows | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}"
-            for r in report["results"]
-        ]
-        if not report["tokenizer_check"].startswith("same"):
-            lines.append(f"note: tokenizer {report['tokenizer_check']}")
+        # default: every data set the run trained on (its validation split), never a corpus of our choice
+        datasets = [args.data] if args.data else run_data_sets(session.loaded, session.layout.is_main)
+        reports, lines = [], []
+        for data in datasets:
+            report = ppl_report(
+                session,
+                data,
+                args.split,
+                args.lengths,
+                args.tokens,
+                args.batch_tokens,
+                allow_other_tokenizer=args.allow_other_tokenizer,
+            )
+            reports.append(report)
+            if len(datasets) > 1:
+                lines.append(f"{report['data']} ({args.split}):")
+            lines += [_ppl_line(r) for r in report["results"]]
+            if not report["tokenizer_check"].startswith("same"):
+                lines.append(f"note: tokenizer {report['tokenizer_check']}")
         session.release_model()
         if session.layout.is_main:
-            *written, note = write_ppl(report, session.out_dir(args.out))
-            lines += [f"wrote {p}" for p in written] + ([note] if note else [])
+            for report in reports:
+                *written, note = write_ppl(report, session.out_dir(args.out))
+                lines += [f"wrote {p}" for p in written] + ([note] if note else [])
         return lines
 
     return _run(args, body)
@@ -207,7 +217,12 @@ def register(sub) -> None:
     tasks = ev.add_subparsers(dest="eval", required=True)
     p = tasks.add_parser("ppl", help="perplexity at each length, non-overlapping fresh windows; JSON + PNG")
     _common(p)
-    p.add_argument("--data", default="builtin", help="a `goat-dist data prepare` directory, or builtin")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a `goat-dist data prepare` directory, or builtin (default: the data sets the run trained on, "
+        "from its config; an export directory needs --data)",
+    )
     p.add_argument("--split", default="val")
     p.add_argument("--tokens", type=int, default=65536, help="tokens of the stream read at every length")
     _allow_other_tokenizer(p)

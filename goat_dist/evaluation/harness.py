@@ -51,21 +51,9 @@ def find_tokenizer(loaded, is_main: bool, explicit: str | None = None) -> tuple[
         candidates.append((Path(explicit).expanduser(), None))
     else:
         candidates.append((Path(loaded.source) / TOKENIZER_NAME, None))
-        data = (loaded.run_config or {}).get("data") or {}
-        dirs = []
-        if data.get("synthetic"):
-            pass  # synthetic token streams have no text tokenizer
-        elif data.get("sources"):
-            dirs = [
-                Path(s["path"]).expanduser() for s in data["sources"] if isinstance(s, dict) and "path" in s
-            ]
-        elif data.get("source") == "builtin":
-            from .session import builtin_data
+        from .session import run_data_sets
 
-            dirs = [Path(builtin_data(loaded, is_main))]
-        elif data.get("source"):
-            dirs = [Path(data["source"]).expanduser()]
-        for d in dirs:
+        for d in (Path(d).expanduser() for d in run_data_sets(loaded, is_main, required=False)):
             manifest = d / MANIFEST_NAME
             name = TOKENIZER_NAME
             if manifest.is_file():

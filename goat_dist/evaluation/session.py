@@ -109,3 +109,28 @@ def builtin_data(loaded, is_main: bool) -> str:
         prepare_builtin_dataset(cache, **kwargs)
     collectives.barrier()
     return str(prepare_builtin_dataset(cache, log=lambda *a: None, **kwargs))
+
+
+def run_data_sets(loaded, is_main: bool, required: bool = True) -> list[str]:
+    """The data sets the checkpoint's run trained on, from its config (``data.sources``, else
+    ``data.source``; the builtin corpus only when the run trained on it, prepared again only if its cache
+    is gone): what ``eval ppl`` and ``eval harness`` read by default, so a model trained on a user's corpus
+    is never measured on another. ``required``: no data set (an export records none, a synthetic run has
+    none) raises EvalError saying to pass ``--data``; else returns []."""
+    from . import EvalError
+
+    data = (loaded.run_config or {}).get("data")
+    why = None
+    if not data:
+        why = f"{loaded.source} records no training data (an export directory keeps only the model)"
+    elif data.get("synthetic"):
+        why = f"the run trained on generated data (data.synthetic={data['synthetic']}), no text data set"
+    elif data.get("sources"):
+        return [str(s["path"]) for s in data["sources"] if isinstance(s, dict) and "path" in s]
+    elif data.get("source", "builtin") == "builtin":
+        return [builtin_data(loaded, is_main)]
+    else:
+        return [str(data["source"])]
+    if required:
+        raise EvalError(f"{why}: pass --data DIR (a `goat-dist data prepare` directory, or builtin)")
+    return []

@@ -18,10 +18,15 @@ def eval_command(nproc: int, *args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, builtin_cache):
-    """12 steps of the TINY model (context 64); its last validation used 2 x 2 windows of 64 tokens."""
-    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    """12 steps of the TINY model (context 64) on a prepared data directory given by path (the builtin
+    corpus's, as a user's own corpus is given), with an empty ``data.cache_dir``; its last validation used
+    2 x 2 windows of 64 tokens."""
+    root = tmp_path_factory.mktemp("eval")
+    run_dir, data = root / "run", next(p.parent for p in builtin_cache.glob("*/manifest.json"))
+    (root / "empty-cache").mkdir()
     run(goat_train_command(1, ["train.max_steps=12", "train.eval_interval=12", "train.eval_batches=2",
-                               f"data.cache_dir={builtin_cache}", f"run.dir={run_dir}"]))  # fmt: skip
+                               f"data.source={data}", f"data.cache_dir={root / 'empty-cache'}",
+                               f"run.dir={run_dir}"]))  # fmt: skip
     return run_dir
 
 
@@ -38,12 +43,16 @@ def ppl_json(out) -> dict:
     return json.loads(path.read_text())
 
 
-def test_ppl_json_png_and_the_trainers_own_validation_loss(trained, tmp_path):
+def test_ppl_json_png_and_the_trainers_own_validation_loss(trained, tmp_path, builtin_cache):
+    """Without --data: the run's own data set (its config's data.source), and nothing built in the run's
+    data.cache_dir (the builtin corpus is not what it trained on; training left only peak_flops.json)."""
     out = tmp_path / "ppl"
     args = ["--checkpoint", str(trained), "--lengths", "64,128,256", "--tokens", "256", "--out", str(out)]
     proc = run(eval_command(1, "ppl", *args))
     (path,) = out.glob("ppl_builtin-stdlib-*_val.json")
     report = json.loads(path.read_text())
+    assert report["data"] == str(next(p.parent for p in builtin_cache.glob("*/manifest.json")))
+    assert not list((trained.parent / "empty-cache").glob("**/manifest.json"))  # no data set built
     assert report["tokenizer_check"] == "same as training"
     assert report["position"] == "goat" and report["train_seq_len"] == 64 and report["step"] == 12
     assert "non-overlapping" in report["protocol"] and report["tp"] == 1

@@ -262,6 +262,21 @@ def test_load_exported_reads_the_hf_export(exported, variant):
     assert (got - want).abs().max().item() <= 1e-6
 
 
+def test_evaluation_reads_the_hf_export(exported):
+    """``eval ppl|passkey|harness --checkpoint <HF export>``: the evaluation loader maps the tensors back
+    as ``load_exported`` does; the logits are the trained model's."""
+    from goat_dist.evaluation.checkpoint import load_model
+
+    model, out = exported["goat"]
+    loaded = load_model(out)
+    assert loaded.run_config is None and loaded.cfg.position == model.cfg.position
+    torch.manual_seed(5)
+    tokens = torch.randint(0, model.vocab_size, (2, 24))
+    positions = torch.arange(24).expand(2, -1)
+    got, want = _goat_logits(loaded.model, tokens, positions), _goat_logits(model, tokens, positions)
+    assert (got - want).abs().max().item() <= 1e-6
+
+
 def test_cli_generate_takes_either_export_format(exported, tmp_path, capsys):
     """``goat-dist generate`` on the HF export prints what it prints on the goat-format export of the same
     checkpoint, greedy and seeded sampling alike."""

@@ -224,3 +224,24 @@ def test_a_task_whose_data_cannot_be_had_says_how_to_run_it_offline(monkeypatch)
     assert unloadable("mine", KeyError("doc_to_text")) == (
         "lm-eval task mine could not be built (KeyError: 'doc_to_text'); fix the task or its YAML file"
     )
+
+
+def loaded_with(data: dict | None, source: str = "runs/x/checkpoints/step_00000010"):
+    return SimpleNamespace(run_config=None if data is None else {"data": data}, source=source)
+
+
+def test_the_default_data_is_what_the_run_trained_on(monkeypatch):
+    """``eval ppl`` without --data reads the run's own data sets: its sources, its source path, the builtin
+    corpus only when it trained on it; an export or a synthetic run says to pass --data."""
+    from goat_dist.evaluation import session
+
+    monkeypatch.setattr(session, "builtin_data", lambda loaded, is_main: "/cache/builtin-stdlib-4096")
+    mix = {"sources": [{"path": "/d/web", "weight": 0.7}, {"path": "/d/code", "weight": 0.3}]}
+    assert session.run_data_sets(loaded_with(mix), True) == ["/d/web", "/d/code"]
+    assert session.run_data_sets(loaded_with({"source": "/d/kernel-docs"}), True) == ["/d/kernel-docs"]
+    assert session.run_data_sets(loaded_with({"source": "builtin"}), True) == ["/cache/builtin-stdlib-4096"]
+    with pytest.raises(EvalError, match="records no training data.*pass --data"):
+        session.run_data_sets(loaded_with(None, "exports/m"), True)
+    with pytest.raises(EvalError, match="data.synthetic=passkey.*pass --data"):
+        session.run_data_sets(loaded_with({"source": "builtin", "synthetic": "passkey"}), True)
+    assert session.run_data_sets(loaded_with(None), True, required=False) == []
