@@ -52,10 +52,9 @@ def recorded_origin(step_dir: Path) -> str | None:
         return None
 
 
-def continues_pin(pin: Path, own_latest: Path | None) -> bool:
-    """Does this run dir's ``latest`` descend from ``pin`` (so a run pinned there continues from it)?"""
-    if own_latest is None or not (Path(own_latest) / MANIFEST).is_file():
-        return False
+def continues_pin(pin: Path, own_latest: Path) -> bool:
+    """Does this run dir's ``latest`` (a published checkpoint) descend from ``pin``, so that a run pinned
+    there continues from it?"""
     return recorded_origin(own_latest) == origin_of(pin)
 
 

@@ -128,6 +128,8 @@ def test_a_pinned_fork_requeued_continues_from_its_own_newest(engine, tmp_path, 
     again = CheckpointManager(tmp_path / "new", keep_last=3)
     assert start(again, pin) == (again.root / "step_00000010", [])
     assert "continuing from the newest" in capsys.readouterr().out
+    spelled = str(tmp_path / "old" / ".." / "old" / "checkpoints" / "step_00000006")  # the same pin
+    assert start(CheckpointManager(tmp_path / "new", keep_last=3), spelled)[0] == again.root / "step_00000010"
     save(again, engine, 12)  # the origin is inherited: the next requeue continues too
     assert start(CheckpointManager(tmp_path / "new"), pin)[0] == again.root / "step_00000012"
     assert not (again.root / STALE).exists() and steps_in(again.root) == [8, 10, 12]
