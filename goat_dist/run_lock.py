@@ -409,7 +409,8 @@ class WorldLock:
         from . import collectives, distributed
 
         p = self.cfg.parallel
-        distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=self.cfg.run_dir)
+        # the groups' start: the start-up timeout, until the trainer's first step ends (parallel/timeouts.py)
+        distributed.init(p.tp, p.cp, timeout_minutes=p.startup_timeout_minutes, run_dir=self.cfg.run_dir)
         flag = torch.tensor([1 if refused else 0])
         return bool(collectives.all_reduce(flag, op="max").item())
 

@@ -60,6 +60,7 @@ def validate(cfg: Config) -> None:
     _choice("model.goat.prior_init", m.goat.prior_init, PRIOR_INITS)
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("parallel.grad_reduce_dtype", cfg.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+    _choice("parallel.grad_accum_dtype", cfg.parallel.grad_accum_dtype, GRAD_REDUCE_DTYPES)
     _choice("data.on_error", cfg.data.on_error, ON_ERROR)
     _choice("data.window_order", cfg.data.window_order, WINDOW_ORDERS)
     if cfg.data.cache_max_gb is not None and not cfg.data.cache_max_gb >= 0:
@@ -164,9 +165,36 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
-    timeout = cfg.parallel.timeout_minutes
-    if not timeout > 0:
-        raise ConfigError(f"config key 'parallel.timeout_minutes' must be > 0, got {timeout}")
+    _check_timeouts(cfg.parallel)
+    _check_dropout(m.dropout)
+
+
+def _check_timeouts(p) -> None:
+    """Both collective timeouts > 0, and the start-up one (step 1's compiles) not below the steady one: a
+    longer steady timeout asks for as long a start-up one, named, rather than one silently raised."""
+    for key in ("timeout_minutes", "startup_timeout_minutes"):
+        value = getattr(p, key)
+        if not value > 0:
+            raise ConfigError(f"config key 'parallel.{key}' must be > 0, got {value}")
+    if p.startup_timeout_minutes < p.timeout_minutes:
+        raise ConfigError(
+            f"config key 'parallel.startup_timeout_minutes'={p.startup_timeout_minutes:g} is below "
+            f"parallel.timeout_minutes={p.timeout_minutes:g}: the start-up timeout covers the first step's "
+            "compiles and must not be the shorter one; set parallel.startup_timeout_minutes="
+            f"{p.timeout_minutes:g} or more"
+        )
+
+
+def _check_dropout(dropout: float) -> None:
+    """``model.dropout`` must be 0: every rank seeds its generators alike and megatron's model-parallel RNG
+    tracker is not set up for dropout, so the masks would repeat across data-parallel replicas (the same
+    mask on different data) and sequence- or context-parallel shards (the same mask on every slice)."""
+    if dropout != 0:
+        raise ConfigError(
+            f"config key 'model.dropout'={dropout} is refused: every rank seeds alike, so dropout masks "
+            "would repeat across data-parallel replicas and sequence-parallel shards (no shipped config "
+            "uses dropout); set model.dropout=0"
+        )
 
 
 def _check_profile(log) -> None:

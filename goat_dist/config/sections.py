@@ -96,7 +96,9 @@ class ModelConfig(Section):
     attention_backend: str = "auto"  # auto | flash4 | flash | sdpa | eager
     rope_base: float = 10_000.0  # RoPE's frequency base (position=rope)
     init_std: float = 0.02  # normal init; the residual branches' output layers: init_std / sqrt(2 num_layers)
-    dropout: float = 0.0  # dropout on each residual branch's output (attention, MLP)
+    # dropout on each residual branch's output (attention, MLP); must be 0: every rank seeds alike, so
+    # its masks would repeat across data-parallel replicas and sequence-parallel shards
+    dropout: float = 0.0
     vocab_pad_multiple: int = 128  # the vocabulary is padded to a multiple of this (and of TP)
     # torch.compile each transformer block's training forward: auto (on CUDA only) | true | false
     compile: bool | str = "auto"
@@ -109,12 +111,22 @@ class ParallelConfig(Section):
     sp: bool = False  # Megatron sequence parallelism (needs tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     cp: int = 1  # context parallel: ranks sharing one sequence; data parallel = world / (tp x cp)
-    timeout_minutes: float = 10.0  # collective timeout of every group: a frozen or dead rank ends the job
+    # collective timeout of every group once this process's first step has ended: a frozen or dead rank
+    # ends the job
+    timeout_minutes: float = 10.0
+    # collective timeout of every group (and the hang watchdog's) until this process's first step ends: its
+    # compiles (torch.compile, FlashAttention's JIT per shape); not below parallel.timeout_minutes
+    startup_timeout_minutes: float = 30.0
     # the dtype gradients are averaged over data-parallel ranks in under train.precision=bf16: fp32 (the
     # mean's error stays below 1e-7 at any DP size, as Megatron reduces) | bf16 (half the bytes on the wire;
-    # its relative error grows with DP: 0.8 % at DP 64, 13 % at DP 512, docs/precision.md). fp32 also
-    # accumulates micro-batches in fp32 where DeepSpeed allows it (ZeRO-2/3). No effect under fp32
+    # its relative error grows with DP: 0.8 % at DP 64, 13 % at DP 512, docs/precision.md). No effect under
+    # fp32 training. Accumulation across micro-batches is grad_accum_dtype's
     grad_reduce_dtype: str = "fp32"
+    # the dtype micro-batch gradients are summed in under train.precision=bf16, at every ZeRO stage: fp32
+    # (as Megatron's main_grad; ZeRO-0/1 through DeepSpeed's BF16_Optimizer, +4 bytes per parameter) |
+    # bf16 (every partial sum rounded to bf16: relative error 0.3 % at 8 micro-batches, 0.8 % at 64, against
+    # 4e-10 and 3e-9 in fp32; docs/precision.md). No effect under fp32 or with one micro-batch per step
+    grad_accum_dtype: str = "fp32"
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ..config import Config, ConfigError
 from ..data import contract as data_contract
 from ..data.batches import check_sources
 from ..distributed import LayoutError
+from ..parallel.timeouts import STEADY_KEY, Timeouts
 from ..run_lock import RunDirError, WorldLock
 from . import nonfinite
 from .deadline import DeadlineError
@@ -58,7 +59,7 @@ def run(cfg: Config) -> RunState:
         if _world() == 1:  # torch.distributed prefixes "[rank0]: " to every traceback line
             sys.excepthook = excepthook
         step = trainer.state.step if trainer is not None else None
-        lost = distributed.collective_failure(e, cfg.parallel.timeout_minutes)
+        lost = collective_failure(e, cfg, trainer)
         reason = lost or f"{type(e).__name__}: {e}"
         if lock.held:  # never into the run dir of another trainer, nor one that cannot be written
             _record_exit(cfg, "failed", reason, step, exit_code_for(e), any_rank=lost is not None)
@@ -71,6 +72,18 @@ def run(cfg: Config) -> RunState:
     distributed.teardown()  # its barrier: no rank leaves before rank 0's record is on disk
     lock.release()
     return state
+
+
+def collective_failure(error: BaseException, cfg: Config, trainer: Trainer | None) -> str | None:
+    """``distributed.collective_failure``'s reason, naming the timeout that applied: the start-up one
+    (``parallel.startup_timeout_minutes``) until this rank's first step ended (a trainer not yet built, or
+    the run lock's collective, count as before it), else ``parallel.timeout_minutes``."""
+    timeouts = trainer.timeouts if trainer is not None else Timeouts.from_config(cfg.parallel)
+    reason = distributed.collective_failure(error, timeouts.minutes)
+    if reason is None or timeouts.steady:
+        return reason
+    applied = f"{timeouts.describe()}, the start-up timeout: this rank's first step had not ended"
+    return reason.replace(f"{STEADY_KEY}={timeouts.minutes:g}", applied, 1)
 
 
 def process_exit_code(state: RunState) -> int:

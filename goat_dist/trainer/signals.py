@@ -9,8 +9,9 @@ A second SIGINT aborts at once (``EXIT_ABORTED``).
 Hangs: while installed, every thread's Python stack goes to stderr when one step runs longer than
 ``hang_after_s`` (a watchdog re-armed at every step start), and on SIGUSR2 at any time (``scancel
 --signal=USR2 <job>``, ``kill -USR2 <pid>``); ``trainer/stacks.py`` prints them without risking the run. A
-rank waiting in a collective prints its stacks before the collective's timeout (``parallel.timeout_minutes``)
-ends the job.
+rank waiting in a collective prints its stacks before the collective's timeout ends the job: the trainer
+sets ``hang_after_s`` from ``parallel.startup_timeout_minutes`` until its first step ends, then from
+``parallel.timeout_minutes`` (``set_hang_after``; ``goat_dist/parallel/timeouts.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+    @property
+    def hang_after_s(self) -> float | None:
+        return self.stacks.hang_after_s
+
+    def set_hang_after(self, seconds: float | None) -> None:
+        """The watchdog's threshold from now on: the rest of the step under way is watched for ``seconds``
+        from now, each later step from its start. The watch thread sleeps towards the deadline it was last
+        woken for, and ``arm`` wakes it only when idle (a later deadline needs no wake): the pending deadline
+        is dropped first, so a shorter threshold wakes it too."""
+        watch = self.stacks
+        watch.hang_after_s = seconds
+        with watch._lock:
+            watch._deadline = None
+        watch.arm()
 
     def step_started(self) -> None:
         """Re-arm the hang watchdog: stacks to stderr unless the next step starts within hang_after_s."""

@@ -24,6 +24,7 @@ from ..data.batches import data_sources, train_loader, val_loader
 from ..engine.construct import partition_as_built
 from ..model import GPT
 from ..parallel.parallelize import parallelize
+from ..parallel.timeouts import Timeouts
 from ..precision import autocast_context
 from ..rampup import batch_at
 from . import nonfinite, unreadable
@@ -77,7 +78,9 @@ class Trainer:
         plugins = load_callbacks(cfg.train.callbacks)  # first: a bad entry fails before any work
         self.cfg = cfg
         p = cfg.parallel
-        self.layout = distributed.init(p.tp, p.cp, timeout_minutes=p.timeout_minutes, run_dir=cfg.run_dir)
+        # the start-up collective timeout until this process's first step ends, then the steady one
+        self.timeouts = Timeouts.from_config(p)
+        self.layout = distributed.init(p.tp, p.cp, timeout_minutes=self.timeouts.minutes, run_dir=cfg.run_dir)
         m = cfg.model
         distributed.check_layout(
             self.layout.world,
@@ -120,6 +123,7 @@ class Trainer:
         )
         # SP, CP, activation checkpointing, compilation, the TP gradient sum, then the engine
         self.engine = parallelize(self.model, cfg, self.grad_accum)
+        self.timeouts.begin()  # the groups made since the start (DeepSpeed's) get the start-up timeout too
         self.autocast = autocast_context(cfg, self.layout.device)
         self.sources = data_sources(cfg, self.layout, log=log)
         self.val_batches = val_loader(cfg, self.layout, self.sources) if cfg.train.eval_interval else None
@@ -128,7 +132,7 @@ class Trainer:
         self.resumed_from = self._resume()
         # config.yaml (written with the loggers) is the resolved, read-only config the run runs with
         given = callbacks if callbacks is not None else self._default_loggers()
-        self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * cfg.parallel.timeout_minutes)
+        self.signals = StopSignals(hang_after_s=HANG_FRACTION * 60 * self.timeouts.minutes)
         self.loop = LoopState(first_step=self.state.step)
         self.deadline = Deadline.from_config(cfg)  # Slurm's job end, train.stop_at or time_limit_minutes
         self.checkpointing = Checkpointing(
@@ -329,6 +333,8 @@ class Trainer:
             batch = self.step_batch()
             self.emit("pre_step")
             control = self.train_step(it)
+            if not self.timeouts.steady:
+                self._first_step_done()
             state.step += 1
             state.consumed_samples += batch
             state.consumed_tokens += batch * cfg.model.seq_len
@@ -340,6 +346,18 @@ class Trainer:
                 state.stop_requested = control.stop_reason
                 self.emit("on_stop", control.stop_reason)
                 return
+
+    def _first_step_done(self) -> None:
+        """This process's first step has ended on this rank (its control collective and optimizer step):
+        every process group and the hang watchdog go from ``parallel.startup_timeout_minutes`` to
+        ``parallel.timeout_minutes``, on this rank alone (why that is safe: ``parallel/timeouts.py``)."""
+        startup = self.timeouts.describe()
+        self.timeouts.first_step_done()
+        self.signals.set_hang_after(HANG_FRACTION * 60 * self.timeouts.minutes)
+        if self.layout.is_main and self.timeouts.startup_minutes != self.timeouts.steady_minutes:
+            print(
+                f"first step done: every collective timeout is now {self.timeouts.describe()} (was {startup})"
+            )
 
     def step_batch(self) -> int:
         """The global batch (sequences) of the step about to run: ``train.global_batch_size``, or under

@@ -3,7 +3,9 @@
 One process, the tiny in-process model: a stateful callback's ``state_dict`` is saved in the checkpoint's
 ``trainer_state.json`` and given back by ``load_state_dict`` on resume, before its first event; a
 checkpoint without it leaves the callback fresh; a run without stateful callbacks writes no ``callbacks``
-key. The checkpoint manager's progress events reach callbacks as ``on_checkpoint_*`` events."""
+key. The checkpoint manager's progress events reach callbacks as ``on_checkpoint_*`` events. The same two
+runs show the collective timeouts switch after each process's first step, not before (a resume's first step
+is its process's first: ``parallel/timeouts.py``)."""
 
 from __future__ import annotations
 
@@ -63,6 +65,31 @@ class Progress(Callback):
         self.events.append(("published", step))
 
 
+class TimeoutsSeen(Callback):
+    """The collective timeout every process group holds (minutes) and the hang watchdog's threshold, before
+    and after each step."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+        self.signals = None  # the trainer's StopSignals, set by the test
+
+    def _record(self, when, step):
+        from goat_dist.parallel.timeouts import group_timeout, process_groups
+        from goat_dist.trainer.signals import HANG_FRACTION
+
+        groups = {group_timeout(g).total_seconds() / 60 for g in process_groups()}
+        self.seen.append((when, step, groups, round(self.signals.hang_after_s / HANG_FRACTION / 60, 6)))
+
+    def pre_step(self, state):
+        self._record("pre", state.step + 1)
+
+    def pre_optim_step(self, state, control):  # after the step's control collective, before the update
+        self._record("optim", state.step + 1)
+
+    def post_step(self, state, control):
+        self._record("post", state.step)
+
+
 def _trainer(cache, run_dir, *overrides, callbacks=()):
     from goat_dist.trainer import Trainer
 
@@ -72,18 +99,43 @@ def _trainer(cache, run_dir, *overrides, callbacks=()):
     return trainer
 
 
-def test_a_stateful_callbacks_state_survives_a_resume(world1, builtin_cache, tmp_path):
-    first, progress = Steps(), Progress()
-    _trainer(builtin_cache, tmp_path, "train.max_steps=2", callbacks=[first, progress]).fit()
+def test_a_stateful_callbacks_state_survives_a_resume(world1, builtin_cache, tmp_path, monkeypatch):
+    from goat_dist import distributed
+
+    init = distributed.init
+    asked = []  # the timeout the process groups are started with
+    monkeypatch.setattr(
+        distributed, "init", lambda *a, **kw: asked.append(kw["timeout_minutes"]) or init(*a, **kw)
+    )
+    first, progress, timeouts = Steps(), Progress(), TimeoutsSeen()
+    trainer = _trainer(builtin_cache, tmp_path, "train.max_steps=2", callbacks=[first, progress, timeouts])
+    timeouts.signals = trainer.signals
+    trainer.fit()
     assert first.seen == [1, 2] and progress.events == [("shards_written", 2), ("published", 2)]
+    startup, steady = {30.0}, {10.0}  # parallel.startup_timeout_minutes, parallel.timeout_minutes
+    assert asked == [30.0] and timeouts.seen == [
+        ("pre", 1, startup, 30.0),
+        ("optim", 1, startup, 30.0),
+        ("post", 1, steady, 10.0),
+        ("pre", 2, steady, 10.0),
+        ("optim", 2, steady, 10.0),
+        ("post", 2, steady, 10.0),
+    ]
     saved = json.loads((tmp_path / STEP2 / "trainer_state.json").read_text())
     assert saved["callbacks"] == {"steps": first.state_dict()}
 
-    again = Steps()
-    resumed = _trainer(builtin_cache, tmp_path, "train.max_steps=4", callbacks=[again])
+    again, timeouts = Steps(), TimeoutsSeen()
+    resumed = _trainer(builtin_cache, tmp_path, "train.max_steps=4", callbacks=[again, timeouts])
+    timeouts.signals = resumed.signals
     assert resumed.state.step == 2
     assert again.loaded == first.state_dict() and again.state_dict() == first.state_dict()
     resumed.fit()
+    assert timeouts.seen[:4] == [
+        ("pre", 3, startup, 30.0),  # this process's first step
+        ("optim", 3, startup, 30.0),
+        ("post", 3, steady, 10.0),
+        ("pre", 4, steady, 10.0),
+    ]
     assert again.first_event_seen == [1, 2]  # restored before its first event
     assert again.seen == [1, 2, 3, 4] and again.samples == [4, 8, 12, 16]
     # what the resumed run saved as its config is the resolved config it ran with
