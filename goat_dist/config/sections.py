@@ -155,7 +155,7 @@ class TrainConfig(Section):
     beta2: float = 0.95  # AdamW's second-moment decay
     eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0: no clipping
-    seed: int = 1234  # initial weights, data order and dropout; the same on every rank
+    seed: int = 1234  # initial weights and data order; the same on every rank
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: str = "none"  # none | full (whole blocks) | selective (attention core)
     eval_interval: int = 100  # steps between validation passes; 0 disables
