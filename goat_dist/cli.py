@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan.commands import register as register_plan
 
     register_plan(sub, rehearse=_plan_rehearsal)
+    from .kernels.warm import register as register_kernels
+
+    register_kernels(sub)  # kernels warm
     return parser
 
 

@@ -204,33 +204,140 @@ def _restore_new_group() -> None:
         dist.new_group, _original_new_group = _original_new_group, None
 
 
+# What every launcher exports before the training processes start (``launch_environment``): slurm/train.sbatch
+# and launch/local.sh through ``slurm/goat_slurm.py env``, ``goat-dist train --nproc`` through
+# ``launcher.worker_env``. Two of them act only when set before the process touches CUDA:
+# CUDA_DEVICE_MAX_CONNECTIONS is read when the CUDA context is created, the allocator's configuration at its
+# first allocation.
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# the allocator's configuration, under either name (torch reads PYTORCH_ALLOC_CONF first)
+ALLOC_CONF_VARS = (ALLOC_CONF, "PYTORCH_ALLOC_CONF")
+LAUNCH_ENV = {
+    # one hardware work queue: megatron's TP (and SP) communication overlap relies on kernels running in
+    # the order they were issued (a site may export another value for runs without TP: it is kept)
+    MAX_CONNECTIONS: "1",
+    # the caching allocator grows segments instead of fragmenting into fixed blocks (less memory lost to
+    # fragmentation with changing activation shapes)
+    ALLOC_CONF: "expandable_segments:True",
+    # NCCL's async error handling: a collective that times out tears the process down
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+}
+
+
+def launch_environment(environ) -> dict[str, str]:
+    """The variables a launcher exports for its training processes, given its own ``environ``: each of
+    ``LAUNCH_ENV`` the environment does not set already. A value of the user's (or the site file's) is
+    kept as it is, an allocator configuration included: one set in ``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF`` without ``expandable_segments`` stays without it (the site chose its allocator).
+    A ``CUDA_DEVICE_MAX_CONNECTIONS`` other than 1 is kept too, and refused by ``distributed.init`` under TP
+    (``cuda_settings``)."""
+    return {key: value for key, value in LAUNCH_ENV.items() if _unset(environ, key)}
+
+
+class LaunchEnvError(LayoutError):
+    """The process environment cannot give the run what it needs (a variable that can no longer be set);
+    the message names the variable, its value, the value needed and where to set it."""
+
+
 def cuda_environment(tp: int, run_dir: Path | None) -> dict[str, str]:
-    """What a CUDA run sets in its environment before the first NCCL communicator or CUDA context.
+    """What a CUDA run sets in its environment before the first NCCL communicator or CUDA context, where
+    a launcher has not (``LAUNCH_ENV``):
 
     * NCCL's async error handling: a collective that times out tears the process down (a frozen peer
       ends the job instead of holding it; ``srun --kill-on-bad-exit`` and torchrun end the rest);
     * its flight recorder: the last collectives of every rank, dumped on a timeout into
       ``<run_dir>/nccl_trace_rank_<rank>`` (read with ``torchfrtrace <run_dir> --prefix nccl_trace_rank_``);
+    * the allocator's expandable segments;
     * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under TP: megatron's TP communication overlap relies on kernels
-      being issued in order."""
+      being issued in order (the launchers export it for every run)."""
     env = {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # tear down, without cleanup that can hang on a dead peer
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": LAUNCH_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        ALLOC_CONF: LAUNCH_ENV[ALLOC_CONF],
     }
     if run_dir is not None:
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(run_dir) / NCCL_TRACE_PREFIX)
     if tp > 1:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        env[MAX_CONNECTIONS] = LAUNCH_ENV[MAX_CONNECTIONS]
     return env
 
 
-def _configure_cuda(tp: int, run_dir: Path | None) -> None:
-    """``cuda_environment``, where the site has not set a value of its own."""
+def _unset(environ, key: str) -> bool:
+    """``key`` is not set in ``environ`` (for the allocator's configuration: under neither of its names)."""
+    return not any(name in environ for name in (ALLOC_CONF_VARS if key == ALLOC_CONF else (key,)))
+
+
+def cuda_settings(
+    environ, cuda_initialised: bool, tp: int, sp: bool = False, run_dir: Path | None = None
+) -> dict[str, str]:
+    """The variables ``init`` sets on CUDA (``cuda_environment``, each only where ``environ`` does not set
+    it), or ``LaunchEnvError`` where the run cannot get what it needs: under TP (or SP) megatron needs
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, so another value is refused, and so is none at all once the CUDA
+    context exists (``cuda_initialised``), where setting it has no effect any more."""
+    needs_one = tp > 1 or sp
+    value = environ.get(MAX_CONNECTIONS)
+    why = f"parallel.tp={tp}" + (" with parallel.sp=true" if sp else "")
+    fix = (
+        f"export {MAX_CONNECTIONS}=1 in the launcher, before python starts (slurm/train.sbatch, "
+        "launch/local.sh and goat-dist train --nproc do; check slurm/site.env and the submitting shell)"
+    )
+    if needs_one and value is not None and value.strip() != "1":
+        raise LaunchEnvError(
+            f"{MAX_CONNECTIONS}={value} is set, but {why} needs {MAX_CONNECTIONS}=1 (megatron's "
+            f"tensor-parallel communication overlaps compute only when kernels run in issue order): {fix}"
+        )
+    if needs_one and value is None and cuda_initialised:
+        raise LaunchEnvError(
+            f"{MAX_CONNECTIONS} is not set and the CUDA context already exists, so setting it now has no "
+            f"effect; {why} needs {MAX_CONNECTIONS}=1: {fix}"
+        )
+    return {k: v for k, v in cuda_environment(tp, run_dir).items() if _unset(environ, k)}
+
+
+def _configure_cuda(tp: int, run_dir: Path | None, sp: bool = False) -> None:
+    """``cuda_settings``, applied to this process's environment (refused as it says)."""
+    settings = cuda_settings(os.environ, torch.cuda.is_initialized(), tp, sp, run_dir)
     if run_dir is not None:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-    for key, value in cuda_environment(tp, run_dir).items():
-        os.environ.setdefault(key, value)
+    os.environ.update(settings)
+
+
+class DeviceBindingError(RuntimeError):
+    """This task cannot tell which CUDA device is its own; the message names LOCAL_RANK, the devices
+    it sees and CUDA_VISIBLE_DEVICES. Not a ``LayoutError``: it may hold on some ranks only, and each
+    such rank reports it."""
+
+
+def local_device_index(local_rank: int, visible: int, environ=None) -> int:
+    """The CUDA device index of the task with ``LOCAL_RANK`` ``local_rank`` that sees ``visible`` devices.
+
+    Two bindings work: every task sees all of its node's GPUs (``--gpus-per-node`` with one task per GPU)
+    and ``LOCAL_RANK`` picks one; or each task sees exactly one (``srun --gpus-per-task=1``,
+    ``--gpu-bind=single:1`` or ``map_gpu``), device 0, whatever ``LOCAL_RANK`` says. Anything else
+    (no device, or fewer than ``LOCAL_RANK + 1``) raises ``DeviceBindingError``."""
+    environ = os.environ if environ is None else environ
+    seen = f"CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    if visible == 1:
+        return 0
+    if visible < 1:
+        raise DeviceBindingError(f"LOCAL_RANK={local_rank}: this task sees no CUDA device ({seen})")
+    if not 0 <= local_rank < visible:
+        raise DeviceBindingError(
+            f"LOCAL_RANK={local_rank} has no CUDA device: this task sees {visible} ({seen}). Either every "
+            "task sees all of its node's GPUs (--gpus-per-node=G with --ntasks-per-node=G: LOCAL_RANK picks "
+            "one) or each task sees exactly one (srun --gpus-per-task=1, or --gpu-bind=single:1 / map_gpu); "
+            "a binding that gives a task some but not all GPUs leaves LOCAL_RANK pointing past them"
+        )
+    return local_rank
+
+
+def local_device(local_rank: int | None = None) -> torch.device:
+    """This task's CUDA device (``local_device_index`` of ``LOCAL_RANK`` and the devices it sees)."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count()))
 
 
 def init(
@@ -248,7 +355,8 @@ def init(
     default one and megatron's (a mixed backend string would otherwise get torch's 30 minutes): a rank
     that stops answering ends a collective with an error instead of holding the job. megatron's own
     extra gloo groups are not created (nothing here uses them). On CUDA, ``run_dir`` receives NCCL's
-    flight-recorder dumps (``cuda_environment``)."""
+    flight-recorder dumps (``cuda_environment``); the environment is completed or refused as
+    ``cuda_settings`` says, and the device is ``local_device_index``'s."""
     from megatron.core import parallel_state
 
     apply_cpu_compat()
@@ -257,7 +365,7 @@ def init(
         raise LayoutError(f"parallel.timeout_minutes must be > 0, got {timeout_minutes}")
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if cuda:
-        _configure_cuda(tp, run_dir)
+        _configure_cuda(tp, run_dir)  # before anything here creates the CUDA context
     if not dist.is_initialized():
         backend = backend_for(cuda)
         if "RANK" in os.environ:  # torchrun (or Slurm via a launcher) set up the rendezvous
@@ -268,10 +376,8 @@ def init(
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1, timeout=timeout)
     if cuda:
         _nccl_for_new_groups()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    if cuda and dist.get_backend() != "fake":  # a simulated CUDA machine (tests) has no device to pick
+        torch.cuda.set_device(local_device())  # LOCAL_RANK's, or the task's only one (local_device_index)
     if not parallel_state.model_parallel_is_initialized():
         if dist.get_world_size() % (tp * cp):  # megatron would only assert
             what = f"parallel.tp={tp}" if cp == 1 else f"parallel.tp={tp} x parallel.cp={cp} = {tp * cp}"
@@ -307,7 +413,7 @@ def current_layout() -> Layout:
         dp=dist.get_world_size() // (tp * cp),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),  # without CP: the loader's split
-        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+        device=local_device(local_rank) if cuda else torch.device("cpu"),
         cp=cp,
         cp_rank=parallel_state.get_context_parallel_rank(),
         replica_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from .distributed import free_port
+from .distributed import free_port, launch_environment
 
 # what torchrun/Slurm launchers set for a worker; a child world must start without them
 LAUNCHER_VARS = frozenset(
@@ -40,6 +40,14 @@ def child_env(base: dict | None = None, **extra: str) -> dict:
     env.setdefault("DS_ACCELERATOR", _accelerator())
     env.update(extra)
     return env
+
+
+def worker_env(base: dict | None = None) -> dict:
+    """A training worker's environment (``goat-dist train --nproc``): ``child_env`` plus what every
+    launcher exports before Python starts (``distributed.launch_environment``: one CUDA connection,
+    the allocator's expandable segments, NCCL's async error handling), a value ``base`` sets kept."""
+    env = child_env(base)
+    return {**env, **launch_environment(env)}
 
 
 def _accelerator() -> str:
@@ -98,18 +106,19 @@ def run_world(nproc: int, args: list[str]) -> int:
     75 (checkpointed) or 130 (aborted) exits with that code and nothing more; any other failure is named
     in one line. Ctrl-C (SIGINT), SIGTERM and SIGUSR1 go to every worker as they are: the workers save a
     checkpoint at the next step boundary and stop, and this process exits 75 as rank 0 does; a second
-    Ctrl-C aborts them. The workers die with this process (``lifeline``: ``GOAT_LAUNCHER_PID``)."""
+    Ctrl-C aborts them. The workers die with this process (``lifeline``: ``GOAT_LAUNCHER_PID``); they
+    start with ``worker_env``'s variables."""
     if nproc == 1:
         import subprocess
 
-        return subprocess.call([sys.executable, *args], env=child_env())
+        return subprocess.call([sys.executable, *args], env=worker_env())
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
     from .lifeline import LAUNCHER_PID_VAR
 
-    os.environ.update({k: v for k, v in child_env().items() if k not in os.environ})
+    os.environ.update({k: v for k, v in worker_env().items() if k not in os.environ})
     for var in LAUNCHER_VARS & set(os.environ):
         del os.environ[var]
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())

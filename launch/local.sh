@@ -11,6 +11,8 @@
 #   same command continues the run. train.stop_at / train.time_limit_minutes stop it the same way.
 # * Exit status: 0 finished, 75 checkpointed (run again to continue), 1 failed, 2 bad arguments.
 # * GOAT_SITE_ENV=file: source a site file first (e.g. slurm/site.env for modules and NCCL settings).
+# * Exports CUDA_DEVICE_MAX_CONNECTIONS=1, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=3 where not already set (`slurm/goat_slurm.py env`).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -72,6 +74,12 @@ fi
 PY="${GOAT_PYTHON:-python}"
 command -v "$PY" >/dev/null || die 2 "'$PY' not found: activate the venv first"
 HELPER=("$PY" "$ROOT/slurm/goat_slurm.py")
+# set before Python starts (CUDA reads them when it creates its context), unless already set: as
+# slurm/train.sbatch does (goat_slurm.py env)
+LAUNCH_ENV=$("${HELPER[@]}" env) || die 2 "slurm/goat_slurm.py env failed (see above)"
+while IFS= read -r VAR; do
+    [[ -z "$VAR" ]] || export "${VAR?}"
+done <<<"$LAUNCH_ENV"
 RUN_DIR=$("${HELPER[@]}" run-dir "$CONFIG" "${OVERRIDES[@]}") || die 2 "bad config or overrides (see above)"
 mkdir -p "$RUN_DIR"
 # a launcher's variables from a surrounding world would hijack torchrun's rendezvous

@@ -17,6 +17,11 @@ Subcommands (``python slurm/goat_slurm.py <cmd> ...``):
     Print the absolute run directory that ``goat-dist train`` will use.
 ``port``
     Print the rendezvous port of this job (``GOAT_MASTER_PORT`` if set).
+``env``
+    Print, as ``KEY=VALUE`` lines, what the job script (and launch/local.sh) exports before any training
+    process starts: ``goat_dist.distributed.launch_environment`` of this environment (one CUDA
+    connection, the allocator's expandable segments, NCCL's async error handling; a value already set,
+    by the user or slurm/site.env, is kept and not printed).
 ``begin RUN_DIR``
     Before a training attempt: remember which ``last_exit.json`` and NCCL flight-recorder dumps (if any)
     are already there, so stale files from an earlier attempt are never read as this attempt's.
@@ -274,6 +279,23 @@ def cmd_run_dir(args: argparse.Namespace) -> int:
         print(f"goat-dist: {e}", file=sys.stderr)
         return 2
     print(cfg.run_dir.expanduser().resolve())
+    return 0
+
+
+def launch_env(environ) -> dict[str, str]:
+    """``goat_dist.distributed.launch_environment`` (the one list of these values), imported from the
+    checkout this script belongs to."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from goat_dist.distributed import launch_environment
+
+    return launch_environment(environ)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    for key, value in launch_env(os.environ).items():
+        print(f"{key}={value}")
     return 0
 
 
@@ -556,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("command", nargs=argparse.REMAINDER)
     e.set_defaults(func=cmd_exec)
     sub.add_parser("port", help="this job's rendezvous port").set_defaults(func=cmd_port)
+    sub.add_parser("env", help="KEY=VALUE lines the launcher exports").set_defaults(func=cmd_env)
     sub.add_parser("steps", help="this job's running steps (not its array siblings')").set_defaults(
         func=cmd_steps
     )

@@ -1,5 +1,6 @@
-"""The devices check: CUDA devices visible to every rank (``LOCAL_RANK`` has one, a small allocation
-works), GPUs that Slurm allocated not invisible to torch; CPU with gloo on a machine without CUDA."""
+"""The devices check: CUDA devices visible to every rank (its device, ``distributed.local_device_index``:
+``LOCAL_RANK``'s among all of the node's GPUs, or the task's only one; a small allocation works), GPUs
+that Slurm allocated not invisible to torch; CPU with gloo on a machine without CUDA."""
 
 from __future__ import annotations
 
@@ -20,29 +21,30 @@ def _gpus_allocated(environ) -> str | None:
 def check_devices(report: Report, environ, local_rank: int, local_world: int):
     import torch
 
+    from ..distributed import DeviceBindingError, local_device_index
+
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        if local_rank >= count:
-            report.fail(
-                "devices",
-                f"LOCAL_RANK {local_rank} has no CUDA device: {count} visible "
-                f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). With one task per "
-                "GPU every task must see all of its node's GPUs: do not bind GPUs per task (--gpus-per-task, "
-                "--gpu-bind); give --gpus-per-node with --ntasks-per-node",
-            )
+        try:
+            index = local_device_index(local_rank, count, environ)
+        except DeviceBindingError as e:
+            report.fail("devices", str(e))
             return None
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", index)
         try:
             torch.cuda.set_device(device)
             torch.ones(1024, device=device).sum().item()
         except Exception as e:  # a broken or busy GPU
-            report.fail(
-                "devices", f"cuda:{local_rank} ({torch.cuda.get_device_name(local_rank)}) unusable: {e}"
-            )
+            report.fail("devices", f"cuda:{index} ({torch.cuda.get_device_name(index)}) unusable: {e}")
             return None
+        name = torch.cuda.get_device_name(index)
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        if count == 1 and local_world > 1 and visible:  # one GPU per task (--gpus-per-task=1, --gpu-bind)
+            report.ok("devices", f"1 x {name} for this task (CUDA_VISIBLE_DEVICES={visible}); backend nccl")
+            return device
         if local_world > count:
             report.warn("devices", f"{local_world} tasks on this node share {count} GPUs")
-        report.ok("devices", f"{count} x {torch.cuda.get_device_name(local_rank)} visible; backend nccl")
+        report.ok("devices", f"{count} x {name} visible; backend nccl")
         return device
     allocated = _gpus_allocated(environ)
     if allocated:

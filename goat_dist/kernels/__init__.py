@@ -11,10 +11,12 @@ Files: ``backend`` (which kernel runs: ``resolve_backend``, given the GPU's comp
 ``fa4`` + ``fa4_dims`` (FlashAttention-4, dense and varlen, and its head-dim rules), ``flash_imports``
 (the lazy imports and why they fail), ``layout`` (head-dim padding, FA2's memory alignment), ``masks``
 (packed-document segments, varlen offsets, ALiBi's bias), ``chunks`` (a context-parallel rank's query
-chunks against their key prefixes).
+chunks against their key prefixes), ``warm`` (``goat-dist kernels warm``: a config's FA4 kernels compiled
+into FA4's disk cache before training).
 
-May import: torch and ``goat_dist.config`` (the backend names) only: no model, no GOAT maths, no process
-groups.
+May import: torch, ``goat_dist.config`` (the backend names; ``warm`` loads a config),
+``goat_dist.shapes`` and ``goat_dist.precision`` (``warm``: a config's head dims and dtype) only: no
+model, no GOAT maths, no process groups.
 """
 
 from .backend import (

@@ -223,6 +223,12 @@ def test_two_rank_job_runs_to_completion(cluster, plain):
     text = log_text(log)
     assert "goat-dist doctor: all checks passed" in text
     assert "layout: world 2" in text  # the two srun tasks formed one world
+    # the launch environment, exported before the first step (goat_slurm.py env); no kernel warm-up step
+    # without GPUs in the allocation, said before training
+    assert (
+        "environment: CUDA_DEVICE_MAX_CONNECTIONS=1 " in text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in text
+    )
+    assert text.index("kernels: the job has no GPUs") < text.index("training: srun")
     m = re.search(r"all-reduce: 2 ranks, gloo, .*?algbw ([\d.]+) GB/s", text)
     assert m, text[-4000:]
     print(f"\ndoctor all-reduce bandwidth (2 ranks, gloo, 16 MiB): {m.group(1)} GB/s")
