@@ -26,7 +26,7 @@ from . import tensor_file, universal
 from .digests import read_checked, read_manifest
 from .manager import MANIFEST, STATE, CheckpointError, verify
 from .model_card import CARD
-from .slices import UniversalReader
+from .slices import INDEX, META, UniversalReader
 
 
 def resolve_step_dir(path: str | Path) -> Path:
@@ -59,14 +59,16 @@ def inspect(path: str | Path, checksums: bool = True) -> dict:
             consumed_samples=run.get("consumed_samples"),
             consumed_tokens=run.get("consumed_tokens"),
         )
-    meta_path = step_dir / "universal" / "meta.json"
-    info["universal"] = meta_path.is_file()
+    # the universal state's index: index.json, or meta.json in a checkpoint of an earlier release
+    found = [step_dir / "universal" / name for name in (INDEX, META)]
+    index_path = next((path for path in found if path.is_file()), None)
+    info["universal"] = index_path is not None
     info["format"] = 0  # DeepSpeed's own shards only (an earlier release, checkpoint.universal=false)
-    if info["universal"]:
+    if index_path is not None:
         try:
-            info["format"] = int(json.loads(meta_path.read_text()).get("format", 1))
+            info["format"] = int(json.loads(index_path.read_text()).get("format", 1))
         except (ValueError, TypeError, AttributeError) as e:
-            info.update(valid=False, error=f"{meta_path}: not a valid universal index: {e}")
+            info.update(valid=False, error=f"{index_path}: not a valid universal index: {e}")
     return info
 
 

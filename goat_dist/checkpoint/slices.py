@@ -9,8 +9,8 @@ into pieces: a rule for ZeRO-3 and the replicated layouts (``even``: replica i h
 ``[i * P, (i + 1) * P)``; ``share``: ``[n * i // R, n * (i + 1) // R)``), a list for ZeRO-1/2 (whose
 pieces follow the optimizer's flat groups; about one per parameter plus one per rank), and ``grid[t][i]``
 names the file of TP rank t's replica i. So a rank finds its pieces without reading every rank's: the
-index is O(parameters + ranks), where ``meta.json``'s full list (kept for earlier releases, which read
-it) is O(parameters x ranks): 213k pieces, 4.4 MB, ~100 MB parsed, at 30B on 512 ranks under ZeRO-3.
+index is O(parameters + ranks), where the full list of ``meta.json`` (written by earlier releases, no
+longer) is O(parameters x ranks): 213k pieces, 4.4 MB, ~100 MB parsed, at 30B on 512 ranks under ZeRO-3.
 
 How ranges map: on the TP size that saved it, a local flat range is the same flat range of the saved
 local tensor, read piece by piece with no padding; on the layout that saved it, that is exactly the rank's
@@ -25,7 +25,7 @@ its size and header against the manifest, and each range against the block check
 a file of an earlier release (no checksums) is hashed whole against the manifest when first opened. Files
 this rank does not read are neither opened nor stat'ed. Format 1 (``universal/tp<R>.safetensors``, one
 file per TP rank with whole TP-local tensors) and format 2 without an index (``meta.json`` only) are read
-the same way, as one piece per tensor or from the full list.
+the same way, through their ``meta.json``, as one piece per tensor or from the full list.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ class UniversalReader:
     """The universal state of one checkpoint, as seen by TP rank ``tp_rank`` of a TP=``tp`` layout.
 
     ``manifest`` (the checkpoint's, as read by the caller): the size, header and content of every file
-    read are checked against it, and the pieces are found through ``index.json``; without one (tools and
-    tests on a bare ``universal/`` directory) ``meta.json`` is read and only the files' own checksums are
-    checked. Close it (or use it as a context manager) to release its open files."""
+    read are checked against it; without one (tools and tests on a bare ``universal/`` directory) only the
+    files' own checksums are checked. The pieces are found through ``index.json``, or through
+    ``meta.json`` in a checkpoint of an earlier release that has no index (the manifest says which; without
+    one, the files present do). Close it (or use it as a context manager) to release its open files."""
 
     def __init__(self, step_dir: Path, tp: int, tp_rank: int, manifest: dict | None = None):
         self.step_dir = Path(step_dir)
@@ -68,7 +69,10 @@ class UniversalReader:
         self.tp, self.tp_rank = tp, tp_rank
         self._files: dict[str, TensorFile] = {}
         self._lists: dict[str, list] = {}
-        indexed = manifest is not None and f"universal/{INDEX}" in manifest["files"]
+        if manifest is not None:
+            indexed = f"universal/{INDEX}" in manifest["files"]
+        else:
+            indexed = (self.step_dir / "universal" / INDEX).is_file()
         self.index_name = f"universal/{INDEX if indexed else META}"
         raw = read_checked(self.step_dir, self.index_name, manifest)
         try:
@@ -87,7 +91,7 @@ class UniversalReader:
             self.grid = self.meta.get("grid")
         else:
             raise CheckpointError(
-                f"{self.step_dir}: universal/meta.json is format {self.format}; this goat-dist reads "
+                f"{self.step_dir}: {self.index_name} is format {self.format}; this goat-dist reads "
                 "formats 1 and 2 (a newer goat-dist wrote it: upgrade to resume from it)"
             )
 

@@ -10,7 +10,7 @@ function), so publishing need not hash it again (``digests.digest_files``). Trai
   with no collective but the small gather of the piece lists. The thread writes them as one
   safetensors file, hashing as it writes (``tensor_file``).
 - The RNG states are captured (already copies) and written by the thread; ``trainer_state.json``,
-  ``config.yaml`` and ``universal/index.json`` (and ``meta.json``) are small and written at once.
+  ``config.yaml`` and ``universal/index.json`` are small and written at once.
 
 A checkpoint counts only when the manager publishes it (manifest, then ``latest``), which it does only
 after every rank's writer finished (``CheckpointManager.poll`` / ``wait``); a crash while writes are in
@@ -214,7 +214,7 @@ def queue_torch_save(writer: BackgroundWriter, obj, path: Path, zipfile: bool = 
 
 def stage_universal(engine, model, step_dir: Path, step: int, writer: BackgroundWriter) -> None:
     """Collective: ``universal.save`` with this rank's pieces copied to host buffers now and its file
-    queued on ``writer`` (``meta.json`` is written now)."""
+    queued on ``writer`` (rank 0's ``index.json`` is written now)."""
     from . import universal
 
     def submit(path: Path, write) -> None:

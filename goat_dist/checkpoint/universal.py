@@ -14,10 +14,12 @@ split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and 
 the saved ranks cut each (parameter, TP rank) into pieces (a rule, or for ZeRO-1/2 a short list) and which
 file holds each piece (``slices.py``), and the optimizer counters a bitwise resume needs: Adam's step, the
 LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves the trainer's step but
-none of these). ``universal/meta.json`` holds the same with every piece listed, as the previous release
-reads it (O(parameters x ranks): no reader of this release parses it). Each file carries block checksums
-(``tensor_file``), so a rank can check the part of a file it reads; the manifest records each file's
-header digest. The RNG states are ``rng_rank<R>.pt`` beside (``manager.py``). No loss-scaler state
+none of these). It is O(parameters + ranks): at 30B on 512 ranks, 142 KB. Earlier releases also wrote
+``universal/meta.json``, the same with every piece listed (O(parameters x ranks): 4.4 MB at 30B on 512
+ranks, written by rank 0 inside every save's pause); none is written now, and a checkpoint that has only
+``meta.json`` (format 2 before the index, format 1) is still read through it. Each file carries block
+checksums (``tensor_file``), so a rank can check the part of a file it reads; the manifest records each
+file's header digest. The RNG states are ``rng_rank<R>.pt`` beside (``manager.py``). No loss-scaler state
 exists: the precisions are fp32 and bf16, neither scales the loss.
 
 Why not ``torch.distributed.checkpoint`` (DCP): DCP describes a shard as a rectangle of a global tensor
@@ -85,7 +87,7 @@ def require_state(step_dir: Path, purpose: str, manifest: dict | None = None) ->
     if manifest is not None:
         has = any(f"universal/{name}" in manifest["files"] for name in (META, INDEX))
     else:
-        has = (Path(step_dir) / "universal" / META).is_file()
+        has = any((Path(step_dir) / "universal" / name).is_file() for name in (INDEX, META))
     if not has:
         raise CheckpointError(
             f"checkpoint {step_dir} has no universal/ state: it is a format-0 checkpoint (DeepSpeed's own "
@@ -183,10 +185,10 @@ def _fit(pieces: dict[int, dict[int, tuple[int, int]]], numel: int, tp: int, rep
     return None
 
 
-def index_record(params: dict, gathered: list, tp: int, saved: dict) -> tuple[dict, dict]:
-    """(``index.json``, ``meta.json``) from every rank's piece list (``gathered[rank]``: its file, TP rank,
-    replica index and pieces) and the counters: the index with a rule per parameter where one fits and a
-    ``grid`` of files by (TP rank, replica), meta.json with every piece listed (``slices.py``)."""
+def index_record(params: dict, gathered: list, tp: int, saved: dict) -> dict:
+    """``index.json`` from every rank's piece list (``gathered[rank]``: its file, TP rank, replica index
+    and pieces) and the counters: a rule per parameter where one fits, else its pieces listed, and a
+    ``grid`` of files by (TP rank, replica) (``slices.py``)."""
     files, table = [], {name: [] for name in params}
     for i, part in enumerate(gathered):
         files.append(part["file"])
@@ -212,14 +214,13 @@ def index_record(params: dict, gathered: list, tp: int, saved: dict) -> tuple[di
             rule = _fit(by_place, math.prod(m["shape"]), tp, replicas)
         compact[name] = rule if rule is not None else table[name]
     head = {"format": FORMAT, "tp": tp, **saved, "params": params, "files": files}
-    index = {**head, "replicas": replicas, "grid": grid, "pieces": compact}
-    return index, {**head, "pieces": table}
+    return {**head, "replicas": replicas, "grid": grid, "pieces": compact}
 
 
 def write_index(out: Path, params: dict, gathered: list, tp: int, saved: dict) -> None:
-    """Rank 0: ``universal/index.json`` and ``universal/meta.json`` (``index_record``)."""
-    index, meta = index_record(params, gathered, tp, saved)
-    atomic_write_text(Path(out) / META, json.dumps(meta, separators=(",", ":")))
+    """Rank 0: ``universal/index.json`` (``index_record``), the one file of the state it writes besides
+    its own share."""
+    index = index_record(params, gathered, tp, saved)
     atomic_write_text(Path(out) / INDEX, json.dumps(index, separators=(",", ":")))
 
 
@@ -232,7 +233,7 @@ def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32) -> dict
 
 def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
     """Collective: every rank writes its own share to ``universal/rank<R>.safetensors`` (its TP rank and
-    replica index from the model's ``layout``); rank 0 writes ``index.json`` and ``meta.json``. Returns
+    replica index from the model's ``layout``); rank 0 writes ``index.json``. Returns
     ``{relative name: {bytes, sha256, header_sha256}}`` of the file this rank wrote (hashed as written). An
     asynchronous save passes ``to_host`` (a host copy in staging buffers, made now) and
     ``submit(path, write)`` (queue the write on the background thread, which records the digest)."""

@@ -3,9 +3,9 @@
 A real model's inventory (its parameters' shapes and TP splits, ``inventory``) is cut as ZeRO-3 cuts it
 over DP ranks (equal partitions of each flattened parameter, the last short or empty). Every rank's file
 is written by the real writer (``universal.write_share``: checksummed; each value computed from its
-position, so any range read back can be checked), rank 0's index and meta.json by
-``universal.write_index``, the manifest with the digests a save records, plus each rank's RNG file and
-the run state. Then, for every rank of a DP (the saved one or another), the real read path runs:
+position, so any range read back can be checked), rank 0's index by ``universal.write_index``, the
+manifest with the digests a save records, plus each rank's RNG file and the run state. Then, for every
+rank of a DP (the saved one or another), the real read path runs:
 ``manager.read_run_files`` (manifest, run state, and the RNG file on the same layout) and
 ``UniversalReader`` + ``universal.read_into`` for the rank's ZeRO-3 ranges of the fp32 value and both
 Adam moments. Counted per rank (``IoCount``): files opened (Python's audit hook sees every open, and
@@ -259,17 +259,30 @@ class PlannedFile:
         pass
 
 
+def full_list_bytes(params: dict, gathered: list, saved: dict) -> int:
+    """The size of the ``meta.json`` earlier releases wrote beside the index: every rank's every piece."""
+    table = {name: [] for name in params}
+    for i, part in enumerate(gathered):
+        for name, start, numel in part["pieces"]:
+            table[name].append([part["tp"], start, numel, i])
+    files = [part["file"] for part in gathered]
+    meta = {"format": 2, "tp": 1, **saved, "params": params, "files": files, "pieces": table}
+    return len(json.dumps(meta, separators=(",", ":")))
+
+
 def plan_world(root: Path, params: dict, dp: int) -> tuple[dict, dict]:
-    """index.json and meta.json of a TP=1 x DP=``dp`` ZeRO-3 save of ``params`` (written under ``root``,
-    with the real writer's ``index_record``) and a manifest naming each state file's tensors."""
+    """index.json of a TP=1 x DP=``dp`` ZeRO-3 save of ``params`` (written under ``root``, with the real
+    writer's ``index_record``) and a manifest naming each state file's tensors (with ``meta_json_bytes``,
+    the full list earlier releases wrote beside it)."""
     gathered = []
     for rank in range(dp):
         gathered.append({"file": universal.file_name(rank), "tp": 0, "replica": rank,
                          "pieces": zero3_ranges(params, dp, rank)})  # fmt: skip
-    index, meta = universal.index_record(params, gathered, 1, {"step": STEP, "adam_step": STEP})
+    saved = {"step": STEP, "adam_step": STEP}
     udir = root / "universal"
     udir.mkdir(parents=True, exist_ok=True)
-    (udir / "index.json").write_text(json.dumps(index, separators=(",", ":")))
+    universal.write_index(udir, params, gathered, 1, saved)  # what rank 0 writes of the state but its share
+    index = json.loads((udir / "index.json").read_text())
     files = {"universal/index.json": digest(udir / "index.json")}
     for part in gathered:
         tensors = {universal.tensor_key(n, k): c for n, _, c in part["pieces"] for k in KEYS}
@@ -277,7 +290,7 @@ def plan_world(root: Path, params: dict, dp: int) -> tuple[dict, dict]:
     return index, {
         "step": STEP,
         "files": files,
-        "meta_json_bytes": len(json.dumps(meta, separators=(",", ":"))),
+        "meta_json_bytes": full_list_bytes(params, gathered, saved),
     }
 
 

@@ -207,10 +207,12 @@ def test_a_dp_change_opens_each_file_it_reads_once(zero3_dp64, dp):
 def test_the_30b_config_on_512_ranks_finds_its_pieces_in_a_small_index(world1, tmp_path):
     """configs/models/goat_30b.yaml (963 parameters, 30.0B elements) saved by TP=1 x DP=512 under ZeRO-3,
     planned without its 360 GB (tests/workers/share_reads.py: the real index writer and reader over
-    stand-in files): index.json is 142 KB and parses into 0.6 MB, where meta.json's full list is 4.4 MB and
-    ~100 MB parsed; on the same layout a rank opens its own file alone and reads 1.0005-1.0007 x its share
-    (its header and checksums); at DP=1024 and DP=256 each rank opens the <= 2 files holding its ranges,
-    once each, and reads <= 1.005 x its share."""
+    stand-in files): index.json is 142 KB and parses into 0.6 MB, where the full list earlier releases wrote
+    beside it (meta.json, no longer written) is 4.4 MB and ~100 MB parsed; what rank 0 writes of the state
+    but its share grows by 27 bytes per rank from DP=64 to DP=512 (its file's name and grid cell; with the
+    full list it grew by 8.1 KB per rank, a piece of every parameter); on the same layout a rank opens its
+    own file alone and reads 1.0005-1.0007 x its share (its header and checksums); at DP=1024 and DP=256
+    each rank opens the <= 2 files holding its ranges, once each, and reads <= 1.005 x its share."""
     import tracemalloc
 
     from workers import share_reads
@@ -226,6 +228,13 @@ def test_the_30b_config_on_512_ranks_finds_its_pieces_in_a_small_index(world1, t
     meta_bytes = manifest["meta_json_bytes"]
     print(f"index.json {len(text):,} B (parsed {parsed / 2**20:.2f} MiB), meta.json {meta_bytes:,} B")
     assert len(text) < 256_000 and parsed < 4 << 20 and manifest["meta_json_bytes"] > 4_000_000
+    _, manifest64 = share_reads.plan_world(tmp_path / "dp64", params, 64)
+    written = {dp: sum(f.stat().st_size for f in (root / "universal").iterdir())  # universal.write_index's
+               for dp, root in ((64, tmp_path / "dp64"), (512, tmp_path))}  # fmt: skip
+    per_rank = (written[512] - written[64]) / (512 - 64)
+    full_per_rank = (meta_bytes - manifest64["meta_json_bytes"]) / (512 - 64)
+    print(f"rank 0 writes {written[64]:,} B at DP=64, +{per_rank:.1f} B per rank (was {full_per_rank:,.0f})")
+    assert per_rank < 40 and full_per_rank > 4000
     assert all(isinstance(rule, dict) for rule in index["pieces"].values())  # ZeRO-3: one rule each
     for dp, ranks, most in ((512, (0, 1, 63, 64, 511), 1), (1024, (0, 1, 1023), 2), (256, (255,), 2)):
         for rank in ranks:

@@ -76,7 +76,7 @@ def test_tp2_cp2_gradients_equal_single_process(world1, four_ranks):
 def test_cp2_checkpoint_resumes_on_one_process(world1, builtin_cache, references, two_ranks, tmp_path):
     """CP2 -> CP1 through the universal state: from the next step on, the single-process losses."""
     step5 = two_ranks / "cp2" / "checkpoints" / "step_00000005"
-    assert (step5 / "universal" / "meta.json").is_file()
+    assert (step5 / "universal" / "index.json").is_file()
     got = train_here(builtin_cache, tmp_path / "resumed", f"train.resume={step5}")
     assert sorted(got) == list(range(6, 11))
     assert assert_config_is_the_runs(tmp_path / "resumed")["parallel"]["cp"] == 1

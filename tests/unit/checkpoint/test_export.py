@@ -37,6 +37,8 @@ def test_export_load_logits_match_training_model(world1, tmp_path, lanes):
     manager.save(engine, state, yaml.safe_dump(cfg.to_dict()))
     info = inspect(tmp_path / "run")
     assert info["valid"] and info["step"] == 3 and info["universal"] and info["format"] == 2
+    # the format read from index.json: no meta.json (every piece listed) is written any more
+    assert not list((tmp_path / "run").rglob("meta.json"))
 
     out = export(tmp_path / "run", tmp_path / "exported")
     saved = json.loads((out / "config.json").read_text())

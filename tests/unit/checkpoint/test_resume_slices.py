@@ -147,7 +147,7 @@ def as_format_1(step_dir) -> None:
     rank with whole TP-local tensors, and a meta.json without format, pieces or counters."""
     full, meta = universal.read_full(step_dir, KEYS)
     udir = step_dir / "universal"
-    for path in udir.glob("rank*.safetensors"):
+    for path in [*udir.glob("rank*.safetensors"), udir / "index.json"]:  # format 1 had no index
         path.unlink()
     tensors = {
         tensor_key(name, key): v.contiguous() for name, states in full.items() for key, v in states.items()
