@@ -17,7 +17,8 @@ pinned in pyproject.toml.
   ``HeldGradHooks`` (the engine's gradient hooks run after a caller's own gradient step: the TP sum).
 * ``sizes``: the buffer sizes and per-stage rules that the config sets and the memory planner counts.
 * ``construct``: the model built already partitioned under ZeRO-3 (``partition_as_built``).
-* ``patches``: each change of DeepSpeed's behaviour (the bf16 cast, ZeRO-0's init step and grad norm).
+* ``patches``: each change of DeepSpeed's behaviour (the bf16 cast, ZeRO-0's init step, grad norm and
+  fp32 accumulation).
 * ``masters``: where each parameter's fp32 master and Adam moments live, per precision x ZeRO stage.
 * ``steps``: non-finite gradients, a dropped update, the gradient norm, the engine's step counters.
 * ``zero3``: ZeRO-3 partitions (real elements vs padding), gathering, the fp32 forward mirror.
@@ -41,7 +42,9 @@ _EXPORTS = {
     "PartitionAsBuilt": "construct",
     "partition_as_built": "construct",
     "PRIOR_FP32_STAGES": "sizes",
-    "FP32_ACCUMULATION_STAGES": "sizes",
+    "BF16_OPTIMIZER_STAGES": "sizes",
+    "accumulates_fp32": "sizes",
+    "uses_bf16_optimizer": "sizes",
     "ZERO0_ALLREDUCE_ELEMENTS": "sizes",
     "KEYS": "masters",
     "MOMENTS": "masters",

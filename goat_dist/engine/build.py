@@ -62,29 +62,30 @@ def deepspeed_config(cfg: Config, grad_accum: int) -> dict:
     does) instead of DeepSpeed's fixed 5e8-element defaults, which allocate gigabytes of buffers even
     for a small model.
 
-    Gradient precision under bf16 (``parallel.grad_reduce_dtype``): DeepSpeed's default reduces bf16
-    gradients in bf16, and the mean's relative error then grows with the data-parallel size (0.8 % at DP
-    64, 13 % at DP 512; ``bench/grad_reduction_error.py``, ``docs/precision.md``). ``fp32`` (the
-    default, as Megatron does) reduces them in fp32 and, where DeepSpeed 0.19.8 lets this engine do so,
-    accumulates micro-batches in fp32 (``data_types.grad_accum_dtype``), only when there is more than
-    one micro-batch:
+    Gradient precision under bf16. The reduction (``parallel.grad_reduce_dtype``): DeepSpeed's default
+    reduces bf16 gradients in bf16, and the mean's relative error then grows with the data-parallel size
+    (0.8 % at DP 64, 13 % at DP 512; ``bench/grad_reduction_error.py``, ``docs/precision.md``); ``fp32``
+    (the default, as Megatron does) reduces them in fp32 (``communication_data_type``). The accumulation
+    over micro-batches (``parallel.grad_accum_dtype``, ``sizes.accumulates_fp32``): DeepSpeed's default
+    sums them in the bf16 ``.grad``; ``fp32`` (the default, as Megatron's ``main_grad``) sets
+    ``data_types.grad_accum_dtype: fp32``:
 
     * ZeRO-2: the rank's reduced gradient partition becomes one fp32 flat buffer into which each
       micro-batch's fp32 reduction is added (no bf16 rounding between micro-batches);
     * ZeRO-3: the flat gradient partition is fp32, and the reduce bucket is in the communication dtype;
-    * ZeRO-0: refused by DeepSpeed (bf16 weights with fp32 accumulation raise ``NotImplementedError``
-      "unsupported mix" outside pipeline parallelism): fp32 reduction only, micro-batches accumulate in
-      the bf16 ``.grad``;
-    * ZeRO-1: DeepSpeed would swap its ZeRO optimizer for ``BF16_Optimizer`` (fp32 gradients of every
-      whole parameter), whose masters, overflow path and checkpoints this engine does not read
-      (``masters.layout_of``, ``steps``): fp32 reduction only, as at ZeRO-0."""
+    * ZeRO-1: DeepSpeed's ``BF16_Optimizer``: each micro-batch's bf16 gradients are added into a
+      whole-model fp32 buffer, all-reduced at the boundary; fp32 masters partitioned over the replicas;
+    * ZeRO-0: the same optimizer, its masters kept whole on every rank (DeepSpeed itself refuses bf16
+      with fp32 accumulation without ZeRO; ``patches.bf16_optimizer_without_zero``)."""
     h = cfg.model.hidden_size
     bf16 = cfg.train.precision == "bf16"
     reduce_fp32 = cfg.parallel.grad_reduce_dtype == "fp32"
     precision: dict = {"bf16": {"enabled": bf16}}
     if bf16:
         precision["communication_data_type"] = "fp32" if reduce_fp32 else "bf16"
-        if reduce_fp32 and grad_accum > 1 and cfg.parallel.zero_stage in sizes.FP32_ACCUMULATION_STAGES:
+        if sizes.accumulates_fp32(
+            cfg.train.precision, cfg.parallel.grad_accum_dtype, grad_accum, cfg.train.batch_rampup
+        ):
             precision["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -182,7 +183,16 @@ def build_engine(
     fp32_params = list(fp32_params)
     keep = fp32_params if bf16 and stage in patches.PRIOR_FP32_STAGES else []
     capturing = held_hooks.capturing() if held_hooks is not None else contextlib.nullcontext()
-    with patches.keep_fp32_through_cast(keep), capturing:
+    p = cfg.parallel
+    fp32_sum = stage == 0 and sizes.uses_bf16_optimizer(
+        stage, cfg.train.precision, p.grad_accum_dtype, grad_accum, cfg.train.batch_rampup
+    )
+    with (
+        patches.keep_fp32_through_cast(keep),
+        patches.bf16_optimizer_without_zero(fp32_sum),
+        patches.checked_not_broadcast(),  # no start-up broadcast of the weights: a check that they agree
+        capturing,
+    ):
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -195,8 +205,8 @@ def build_engine(
         install_fp32_mirror(engine, fp32_params, fp32_attr)
     if stage == 0 and not bf16:
         patches.record_grad_norm(engine)
-    if stage == 0 and bf16:
+    if stage == 0 and bf16 and not fp32_sum:
         patches.undo_unfused_init_step(engine)
-    if stage == 0 and bf16 and layout.tp > 1:
-        patches.mark_tp_gradients(model)
+        if layout.tp > 1:
+            patches.mark_tp_gradients(model)
     return Engine(engine)

@@ -34,9 +34,10 @@ def engine_dtype(cfg: Config) -> torch.dtype:
 
 class PartitionAsBuilt:
     """``model.GPT``'s ``built`` hook under ZeRO-3: partitions each part over the replica group (DP x CP)
-    as soon as it exists. Collective over that group (DeepSpeed broadcasts each parameter from the group's
-    first rank, as it does when it partitions a built model); every rank builds the same parts in the
-    same order.
+    as soon as it exists. Collective over that group: every rank builds the same parts in the same order,
+    with the same values, which one all-reduce of the part's fingerprints checks
+    (``patches.check_replicas``) where DeepSpeed would broadcast each parameter from the group's first
+    rank (``patches.checked_not_broadcast``).
 
     ``parts`` and ``largest_part_bytes`` record what passed through (the whole bytes of the largest part
     are the construction's peak above the partitions)."""
@@ -61,12 +62,12 @@ class PartitionAsBuilt:
             for p in part.parameters():
                 if p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)  # what the engine's cast does (GOAT's prior included)
-        deepspeed.zero.Init(
-            module=part,
-            data_parallel_group=self.mpu.get_data_parallel_group(),  # DP x CP, as the engine's
-            config_dict_or_path=self.config,
-            mpu=self.mpu,
-        )
+        group = self.mpu.get_data_parallel_group()  # DP x CP, as the engine's
+        patches.check_replicas(list(part.named_parameters()), group)
+        with patches.checked_not_broadcast():
+            deepspeed.zero.Init(
+                module=part, data_parallel_group=group, config_dict_or_path=self.config, mpu=self.mpu
+            )
 
 
 def partition_as_built(cfg: Config, grad_accum: int, layout: Layout) -> PartitionAsBuilt | None:

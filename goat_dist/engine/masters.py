@@ -11,6 +11,8 @@ bf16, ZeRO-0         FP16_UnfusedOptimizer            per-parameter fp32 clones 
                                                       state keyed by the clones, not the parameters
 ZeRO-1/2 (any)       DeepSpeedZeroOptimizer           flat fp32 partition per group; a parameter's
                                                       piece is ``_hp_mapping`` (may be none on a rank)
+bf16, ZeRO-0/1 with   BF16_Optimizer                   flat fp32 partition per group (ZeRO-0: the whole
+fp32 accumulation                                     group on every rank); ``_hp_mapping`` as ZeRO-1/2
 ZeRO-3 (any)         DeepSpeedZeroOptimizer_Stage3    flat fp32 partition per sub-group; every
                                                       parameter has a (padded) piece on every rank
 ===================  ===============================  ==============================================
@@ -183,6 +185,26 @@ class Zero12(MasterLayout):
         super().finish_load(step)
 
 
+class BF16Masters(Zero12):
+    """bf16 with fp32 accumulation at ZeRO-0/1 (DeepSpeed's ``BF16_Optimizer``): as ZeRO-1/2, a flat fp32
+    partition per group (``fp32_groups_flat_partition``) and each parameter's piece in ``_hp_mapping``. At
+    ZeRO-0 its partition group is the rank alone (``patches.bf16_optimizer_without_zero``): every rank holds
+    every master, as ``UnfusedMasters`` does."""
+
+    name = "bf16 ZeRO-0/1 with fp32 accumulation (BF16_Optimizer)"
+
+    def __init__(self, engine, error: type[Exception] = RuntimeError):
+        super().__init__(engine, error)
+        # ZeRO-0: partitioned over a group of its own, not the engine's replicas
+        self.replicated = self.opt.dp_process_group is not engine.seq_data_parallel_group
+
+    def prepare(self):
+        for flat in self.opt.fp32_groups_flat_partition:
+            _adam_state(self.base, flat)
+        self.opt._hp_optimizer_states_linked = False
+        self.opt._lazy_init_hp_params_optimizer_state()
+
+
 class Zero3(MasterLayout):
     """ZeRO-3: every parameter is split evenly (padded) over DP; rank r holds flat elements
     ``[r * n, (r + 1) * n)`` of its fp32 master, moments and forward weights (``ds_tensor``)."""
@@ -225,6 +247,7 @@ class Zero3(MasterLayout):
 def layout_of(engine, error: type[Exception] = RuntimeError) -> MasterLayout:
     """The master layout of ``engine``'s optimizer (a DeepSpeed engine, or the ``facade.Engine`` holding
     one); an unknown one is an ``error`` naming its type."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -237,6 +260,7 @@ def layout_of(engine, error: type[Exception] = RuntimeError) -> MasterLayout:
     kinds = (
         (DeepSpeedZeroOptimizer_Stage3, Zero3),
         (DeepSpeedZeroOptimizer, Zero12),
+        (BF16_Optimizer, BF16Masters),
         (FP16_UnfusedOptimizer, UnfusedMasters),
     )
     for cls, layout in kinds:

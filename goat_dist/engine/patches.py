@@ -6,6 +6,9 @@ watches it (``tests/unit/engine/test_engine_contract.py``: a DeepSpeed upgrade s
 * ``record_grad_norm``: fp32 ZeRO-0 clips but drops the norm it computed.
 * ``mark_tp_gradients``: bf16 + ZeRO-0 + TP counts only TP rank 0's gradient slices in its norm.
 * ``skip_shm_build``: the CPU accelerator JIT-compiles an inference-only op on first init.
+* ``bf16_optimizer_without_zero``: bf16 + ZeRO-0 + fp32 accumulation, which DeepSpeed refuses.
+* ``checked_not_broadcast``: DeepSpeed broadcasts every parameter at start; every replica built the same
+  weights already, so one all-reduce of per-tensor fingerprints checks that instead (``check_replicas``).
 
 GOAT's prior in bf16 mode: DeepSpeed's bf16 mode casts every parameter's ``.data``
 (``DeepSpeedEngine._cast_module_mixed_precision``), which bypasses ``GoatPrior._apply``, the hook that keeps
@@ -31,6 +34,10 @@ from .sizes import PRIOR_FP32_STAGES  # ZeRO stages whose bf16 mode can keep a g
 
 __all__ = [
     "PRIOR_FP32_STAGES",
+    "bf16_optimizer_without_zero",
+    "check_replicas",
+    "checked_not_broadcast",
+    "fingerprint",
     "keep_fp32_through_cast",
     "mark_tp_gradients",
     "record_grad_norm",
@@ -132,3 +139,143 @@ def record_grad_norm(engine) -> None:
         )
 
     engine.clip_fp32_gradients = clip_and_record
+
+
+@contextlib.contextmanager
+def bf16_optimizer_without_zero(enabled: bool):
+    """While DeepSpeed's engine is built: bf16 without ZeRO accumulates micro-batches in fp32.
+
+    DeepSpeed refuses bf16 weights with ``grad_accum_dtype: fp32`` outside ZeRO and pipelines
+    (``NotImplementedError: unsupported mix``), so ZeRO-0 would sum every micro-batch into the bf16
+    ``.grad``. Its answer for ZeRO-1 (and for pipelines at ZeRO-0) is ``BF16_Optimizer``: each micro-batch's
+    bf16 gradients are added into a whole fp32 buffer, which the engine all-reduces at the boundary
+    (ZeRO-0's own reduction, over the replicas). Here the engine builds that optimizer at ZeRO-0 too, with
+    a group of this rank alone as its partition group: the fp32 masters and Adam's moments stay whole on
+    every rank, as ZeRO-0 keeps them, and its all-gather of the updated weights is a copy. The group is
+    created by this rank alone (``use_local_synchronization``): no collective over the world."""
+    if not enabled:
+        yield
+        return
+    import torch.distributed as dist
+    from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    check, configure = DeepSpeedEngine._do_optimizer_sanity_check, DeepSpeedEngine._configure_bf16_optimizer
+
+    def sanity_check(engine, basic_optimizer):
+        if engine.zero_optimization() or engine.get_data_types() != (torch.bfloat16, torch.float32):
+            return check(engine, basic_optimizer)
+        return BFLOAT16
+
+    def bf16_optimizer(engine, optimizer):
+        replicas = engine.seq_data_parallel_group
+        engine.seq_data_parallel_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        try:
+            return configure(engine, optimizer)
+        finally:
+            engine.seq_data_parallel_group = replicas
+
+    DeepSpeedEngine._do_optimizer_sanity_check = sanity_check
+    DeepSpeedEngine._configure_bf16_optimizer = bf16_optimizer
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._do_optimizer_sanity_check = check
+        DeepSpeedEngine._configure_bf16_optimizer = configure
+
+
+# ---- no start-up broadcast of the weights ------------------------------------------------------------
+# elements widened to int64 at once, with as many int64 weights: 64 MiB on a GPU (few kernels for a
+# whole TP slice), 1 MiB on the host, where ZeRO-3's construction peak is the host's (``construct.py``)
+FINGERPRINT_CHUNK, FINGERPRINT_CHUNK_HOST = 1 << 22, 1 << 16
+_MASK = (1 << 62) - 1  # fingerprints are kept mod 2**62: one more piece's sum (< 2**61) never overflows
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers (on ``t``'s device) that change with any bit of ``t``: the sum of its elements'
+    bit patterns and their sum weighted by position (mod 251, + 1), mod 2**62. Integer sums do not
+    depend on the order they are added in, so equal tensors give equal fingerprints on any device; a
+    piece of ``FINGERPRINT_CHUNK`` elements at a time is widened, never the whole tensor."""
+    flat = t.detach().reshape(-1)
+    size = flat.element_size()
+    bits = flat.view(torch.int16 if size == 2 else torch.uint8 if size == 1 else torch.int32)
+    out = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    chunk = FINGERPRINT_CHUNK_HOST if bits.device.type == "cpu" else FINGERPRINT_CHUNK
+    for start in range(0, bits.numel(), chunk):
+        piece = bits[start : start + chunk].to(torch.int64)  # |bits| < 2**31
+        weight = torch.arange(start, start + piece.numel(), dtype=torch.int64, device=bits.device)
+        out[0] += piece.sum()
+        out[1] += piece.mul_(weight.remainder_(251).add_(1)).sum()  # each sum < 2**(31 + 8 + 22)
+        out.bitwise_and_(_MASK)
+    return out
+
+
+def check_replicas(named: list[tuple[str, torch.Tensor]], group) -> None:
+    """Collective over ``group`` (the replicas of one TP slice): a RuntimeError on every rank unless every
+    rank holds bit-identical ``named`` tensors (the same names in the same order on every rank). One
+    all-reduce of 4 int64 per tensor (each rank's fingerprints and their negatives, maximised: equal on
+    every rank exactly when the largest and the smallest agree), where DeepSpeed broadcast the tensors."""
+    import torch.distributed as dist
+
+    if not named or dist.get_world_size(group) == 1:
+        return
+    local = torch.stack([fingerprint(t) for _, t in named])
+    both = torch.cat([local, -local], dim=1)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    differ = (both[:, :2] != -both[:, 2:]).any(dim=1).tolist()
+    bad = [name for (name, _), d in zip(named, differ) if d]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise RuntimeError(
+            f"the initial weights differ between data-parallel replicas of the same TP slice ({len(bad)} of "
+            f"{len(named)} tensors: {shown}): every rank must build the same model from the same seed and "
+            "config (train.seed, model.*); nothing is broadcast at start to hide a difference"
+        )
+
+
+def _replicated(p) -> bool:
+    """What DeepSpeed's ``_broadcast_model`` broadcasts: a parameter not partitioned by ZeRO-3."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if hasattr(p, "ds_status") and p.ds_status is not ZeroParamStatus.AVAILABLE:
+        return False
+    return not hasattr(p, "ds_optim_param")
+
+
+@contextlib.contextmanager
+def checked_not_broadcast():
+    """While DeepSpeed's engine (or ZeRO-3's ``zero.Init``) is built: no parameter is broadcast.
+
+    DeepSpeed makes the replicas of a TP slice agree by broadcasting every parameter from the group's
+    first rank: the engine at ZeRO 0-2 (``DeepSpeedEngine._broadcast_model``), ``zero.Init`` before it
+    partitions each parameter at ZeRO-3 (``Init._zero_init_param``). Each rank's share of that traffic is
+    its whole TP slice (7.5 GB per rank in bf16 for the 30B config at TP=8, whatever the world), for
+    weights every rank already built identically (``model.gpt``: every value is drawn from a seed of its
+    global position). Here the engine checks instead (``check_replicas``: one all-reduce of fingerprints,
+    31 KB for the 30B config's 963 tensors), and ``zero.Init`` partitions without broadcasting (its
+    caller checks: ``construct.PartitionAsBuilt``). A model with DeepSpeed MoE layers keeps DeepSpeed's
+    broadcast."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    broadcast_model, zero_init_param = DeepSpeedEngine._broadcast_model, Init._zero_init_param
+
+    def check_model(engine):
+        if engine.dist_backend is None:
+            return None
+        if getattr(engine, "has_moe_layers", False):
+            return broadcast_model(engine)
+        named = [(n, p) for n, p in engine.module.named_parameters() if _replicated(p)]
+        return check_replicas(named, engine.seq_data_parallel_group)
+
+    def partition_only(init, param):
+        init._convert_to_deepspeed_param(param)
+        param.partition()
+
+    DeepSpeedEngine._broadcast_model = check_model
+    Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = broadcast_model
+        Init._zero_init_param = zero_init_param

@@ -14,10 +14,33 @@ from __future__ import annotations
 # (``patches``, ``zero3.install_fp32_mirror``)
 PRIOR_FP32_STAGES = (0, 1, 2)
 
-# ZeRO stages at which a bf16 run with fp32 gradient reduction and more than one micro-batch accumulates
-# its gradients in fp32 (``data_types.grad_accum_dtype``): DeepSpeed refuses it without ZeRO and swaps
-# ZeRO-1's optimizer for one whose masters ``masters`` does not read (``build.deepspeed_config``)
-FP32_ACCUMULATION_STAGES = (2, 3)
+# ZeRO stages at which a bf16 run accumulating in fp32 runs DeepSpeed's ``BF16_Optimizer``: a whole-model
+# fp32 gradient buffer into which each micro-batch's bf16 gradients are added, all-reduced at the
+# accumulation boundary; fp32 masters partitioned over the replicas at ZeRO-1, kept whole on every rank at
+# ZeRO-0 (``patches.bf16_optimizer_without_zero``)
+BF16_OPTIMIZER_STAGES = (0, 1)
+
+
+def accumulates_fp32(precision: str, grad_accum_dtype: str, micro_batches: int, rampup) -> bool:
+    """Whether a run sums its micro-batch gradients in fp32 (``parallel.grad_accum_dtype``): fp32 runs
+    always do; a bf16 run does with ``grad_accum_dtype=fp32`` once there is anything to accumulate (more
+    than one micro-batch per step, or a batch ramp-up, whose later steps have more: the optimizer is
+    chosen once, when the engine is built)."""
+    if precision != "bf16":
+        return True
+    return grad_accum_dtype == "fp32" and (micro_batches > 1 or bool(rampup))
+
+
+def uses_bf16_optimizer(
+    stage: int, precision: str, grad_accum_dtype: str, micro_batches: int, rampup
+) -> bool:
+    """Whether the engine's optimizer is DeepSpeed's ``BF16_Optimizer`` (``BF16_OPTIMIZER_STAGES``)."""
+    return (
+        precision == "bf16"
+        and stage in BF16_OPTIMIZER_STAGES
+        and accumulates_fp32(precision, grad_accum_dtype, micro_batches, rampup)
+    )
+
 
 # Without ZeRO, DeepSpeed all-reduces the gradients at the accumulation boundary through flat buckets of
 # at most this many elements (its ``MEMORY_OPT_ALLREDUCE_SIZE``, not configurable through the config)

@@ -20,12 +20,16 @@ COUNTERS = ("global_steps", "global_samples", "skipped_steps")  # the engine's o
 def local_grads_nonfinite(engine) -> torch.Tensor:
     """0-d tensor on the device: 1 when this rank's share of the reduced gradients holds a NaN/Inf.
 
-    Call after the last backward of a step, before ``engine.step()``. No host sync, no collective."""
+    Call after the last backward of a step, before ``engine.step()``. No host sync, no collective. (The
+    non-finite values of a partitioned gradient are found by the rank holding them: the caller ORs the
+    flags of every rank in its control collective.)"""
     opt = engine.optimizer
     if hasattr(opt, "grad_partitions_flat_buffer"):  # ZeRO-3: this rank's flat gradient partition
         tensors = [opt.grad_partitions_flat_buffer]
     elif hasattr(opt, "averaged_gradients"):  # ZeRO-1/2: this rank's reduced partitions
         tensors = [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
+    elif hasattr(opt, "fp32_groups_gradient_flat_partition"):  # BF16_Optimizer: its fp32 sums, reduced
+        tensors = list(opt.fp32_groups_gradient_flat_partition)
     else:  # ZeRO-0: the all-reduced gradients live on the parameters
         tensors = [p.grad for p in engine.module.parameters() if p.grad is not None]
         tensors += [
@@ -46,7 +50,9 @@ def first_nonfinite_gradient(engine) -> str | None:
     from deepspeed.utils import safe_get_full_grad
 
     for name, p in engine.module.named_parameters():
-        grad = safe_get_full_grad(p)
+        # BF16_Optimizer: the reduced fp32 sum (``.grad`` holds the last micro-batch's, not reduced)
+        grad = getattr(p, "_hp_grad", None)
+        grad = safe_get_full_grad(p) if grad is None else grad
         if grad is not None and not bool(torch.isfinite(grad).all()):
             return name
     return None

@@ -14,7 +14,7 @@ import bisect
 
 from ..config import Config
 from ..engine import sizes as engine_sizes
-from ..engine.sizes import FP32_ACCUMULATION_STAGES, ZERO0_ALLREDUCE_ELEMENTS
+from ..engine.sizes import ZERO0_ALLREDUCE_ELEMENTS, accumulates_fp32, uses_bf16_optimizer
 from ..shapes import (
     SINK_HIDDEN,
     ParamSpec,
@@ -85,8 +85,9 @@ def partition_overlap(sizes: list[int], dp: int) -> list[int]:
     return [sum(sizes[i] for i in touched) for touched in _touching(sizes, dp)]
 
 
-# ``FP32_ACCUMULATION_STAGES`` (``goat_dist.engine.sizes``): the ZeRO stages at which the engine accumulates
-# bf16 runs' gradients in fp32 (``parallel.grad_reduce_dtype=fp32`` with more than one micro-batch)
+NORM_CHUNK = (
+    1 << 22
+)  # observe.step_metrics.NORM_CHUNK: the parameter norm's fp32 piece (a test holds them equal)
 
 
 def _reduce_bytes(cfg: Config) -> int:
@@ -95,12 +96,23 @@ def _reduce_bytes(cfg: Config) -> int:
 
 
 def _fp32_accumulation(cfg: Config, replicas: int) -> bool:
-    """Whether a bf16 run's engine keeps its accumulated gradient partition in fp32."""
-    return (
-        cfg.train.precision == "bf16"
-        and _reduce_bytes(cfg) == 4
-        and cfg.parallel.zero_stage in FP32_ACCUMULATION_STAGES
-        and _grad_accumulation(cfg, replicas) > 1
+    """Whether a bf16 run's engine sums its micro-batch gradients in fp32 (``parallel.grad_accum_dtype``,
+    ``engine.sizes.accumulates_fp32``), at ``replicas`` = DP x CP."""
+    t = cfg.train
+    return t.precision == "bf16" and accumulates_fp32(
+        t.precision, cfg.parallel.grad_accum_dtype, _grad_accumulation(cfg, replicas), t.batch_rampup
+    )
+
+
+def _bf16_optimizer(cfg: Config, replicas: int) -> bool:
+    """Whether the engine's optimizer is DeepSpeed's ``BF16_Optimizer`` (ZeRO-0/1 accumulating in fp32)."""
+    t = cfg.train
+    return uses_bf16_optimizer(
+        cfg.parallel.zero_stage,
+        t.precision,
+        cfg.parallel.grad_accum_dtype,
+        _grad_accumulation(cfg, replicas),
+        t.batch_rampup,
     )
 
 
@@ -170,7 +182,17 @@ def state_bytes(cfg: Config, dp: int, rank: int | None = None) -> dict[str, int]
     bucket_bytes = _reduce_bytes(cfg) if stage == 3 else w
     bucket = bucket_elements * bucket_bytes * (2 if opts["overlap_comm"] and stage in (1, 2) else 1)
     largest = max(p.numel for p in inv)
-    if stage == 0:
+    if _bf16_optimizer(cfg, dp):
+        # BF16_Optimizer: each group flat in bf16 (aligned to 2 x the partitions), the micro-batch's bf16
+        # .grad next to the whole fp32 sum, fp32 masters and moments of the rank's partition (ZeRO-1) or
+        # of everything (ZeRO-0: a partition group of one); its boundary all-reduce is a transient
+        parts = dp if stage == 1 else 1
+        flat = sum(_ceil_div(sum(sizes), 2 * parts) * 2 * parts for sizes in groups.values())
+        params = w * flat + prior_extra
+        grads = w * n + prior_extra + 4 * flat
+        optimizer = 12 * (flat // parts) + 4 * len(groups)
+        buffers = 0
+    elif stage == 0:
         params = w * n + prior_extra
         grads = params
         optimizer = (4 * n if bf16 else 0) + 8 * n + 4 * len(inv)  # + torch AdamW's per-tensor `step`
@@ -234,9 +256,9 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     * ``tied_input``: meanwhile a tied output layer in bf16 holds its fp32 input (the final norm's output:
       CUDA's autocast runs the norms in fp32), whole (gathered under SP), next to the bf16 copy it keeps;
     * ``recompute``: full activation checkpointing rebuilds one layer's activations during its backward;
-    * ``params_norm``: a log step's parameter norm (``observe.step_metrics.param_sumsq_share``) casts one
-      parameter at a time to float64 and squares it: two float64 copies of the largest local tensor (its
-      ZeRO-3 partition at stage 3).
+    * ``params_norm``: a log step's parameter norm (``observe.step_metrics.sumsq``) copies at most
+      ``NORM_CHUNK`` elements of one parameter at a time to fp32 and squares them in place: one fp32
+      piece of the largest local tensor (its ZeRO-3 partition at stage 3), at most 16 MiB.
     """
     m, stage = cfg.model, cfg.parallel.zero_stage
     bf16 = cfg.train.precision == "bf16"
@@ -249,7 +271,11 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
            "params_norm": 0}  # fmt: skip
     if stage == 3:
         out["zero3_gather"] = w * (2 * layer + engine_sizes.prefetch_elements(m.hidden_size))
-    if stage == 0 and dp > 1:
+    if _bf16_optimizer(cfg, dp) and dp > 1:
+        # BF16_Optimizer's fp32 sums all-reduced through a flat copy (and its bf16 cast under a bf16 wire)
+        cast = 2 if _reduce_bytes(cfg) == 2 else 0
+        out["allreduce"] = (4 + cast) * min(n, ZERO0_ALLREDUCE_ELEMENTS)
+    elif stage == 0 and dp > 1:
         # an fp32 reduction (parallel.grad_reduce_dtype) of bf16 gradients casts the flat copy to fp32 too
         cast = 4 if bf16 and _reduce_bytes(cfg) == 4 else 0
         out["allreduce"] = (w + cast) * min(n, ZERO0_ALLREDUCE_ELEMENTS)
@@ -267,7 +293,7 @@ def transient_bytes(cfg: Config, dp: int, micro_batch: int) -> dict[str, int]:
     if cfg.train.activation_checkpointing == "full":
         out["recompute"] = activation_bytes(cfg, micro_batch, recompute_layer=True)["per_layer"]
     largest = max((p.numel for p in inv), default=0)
-    out["params_norm"] = 2 * 8 * (_ceil_div(largest, dp) if stage == 3 else largest)
+    out["params_norm"] = 4 * min(NORM_CHUNK, _ceil_div(largest, dp) if stage == 3 else largest)
     out["total"] = sum(out.values())
     return out
 

@@ -18,6 +18,7 @@ from ..shapes import resolve_key_bias_lanes
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
 from .hardware import GIB, GPU, LINK_EFFICIENCY
 from .memory import (
+    _bf16_optimizer,
     _cp,
     activation_bytes,
     construction_bytes,
@@ -185,6 +186,9 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     stage = cfg.parallel.zero_stage
     if stage == 0:
         dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
+    elif _bf16_optimizer(cfg, replicas):  # ZeRO-1 accumulating in fp32: BF16_Optimizer's all-reduce
+        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
+        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
     elif stage == 1:
         dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
         dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)

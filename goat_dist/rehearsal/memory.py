@@ -59,6 +59,7 @@ from ..config.sections import Section
 from ..engine.sizes import PRIOR_FP32_STAGES, persistence_threshold
 from ..optim import build_optimizer, is_prior
 from ..plan.memory import (
+    _bf16_optimizer,
     _ceil_div,
     _cp,
     _flat_partition,
@@ -237,12 +238,16 @@ def _use_masters(cfg: Config, optimizer: torch.optim.Optimizer, replicas: int) -
     """Point each optimizer group at the fp32 masters DeepSpeed gives it (as DeepSpeed does); returns
     the new tensors: a clone per parameter at ZeRO-0 (none in fp32), the group flattened, padded and
     split over the ``replicas`` (DP x CP) at ZeRO 1-2, every parameter's own share in one flat buffer at
-    ZeRO-3."""
+    ZeRO-3. ``BF16_Optimizer`` (bf16 accumulating in fp32 at ZeRO-0/1) flattens every group as ZeRO-1
+    does, over a partition group of one rank at ZeRO-0."""
     stage, bf16 = cfg.parallel.zero_stage, cfg.train.precision == "bf16"
+    whole = _bf16_optimizer(cfg, replicas) and stage == 0  # BF16_Optimizer's one-rank partition
     masters = []
     for group in optimizer.param_groups:
         params = group["params"]
-        if stage == 0:
+        if whole:
+            own = [torch.empty(_flat_partition(sum(p.numel() for p in params), 1), dtype=torch.float32)]
+        elif stage == 0:
             own = [torch.empty(p.shape, dtype=torch.float32) for p in params] if bf16 else params
         elif stage in (1, 2):
             own = [
@@ -315,6 +320,18 @@ def _zero_state(cfg: Config, optimizer: torch.optim.Optimizer, replicas: int, in
             params += 4 * sum(p.numel() for g in optimizer.param_groups if g["prior"] for p in g["master_of"])
         return {"params": params, "grads": grads}
     return {}
+
+
+def _fp32_sums(cfg: Config, optimizer: torch.optim.Optimizer, replicas: int) -> int:
+    """``BF16_Optimizer``'s whole fp32 gradient buffer (each group flat, padded as its weights), alive from
+    the first backward through the step next to the bf16 ``.grad`` the trace holds; 0 for other engines."""
+    if not _bf16_optimizer(cfg, replicas):
+        return 0
+    parts = replicas if cfg.parallel.zero_stage == 1 else 1
+    flat = [
+        _flat_partition(sum(p.numel() for p in g["master_of"]), parts) * parts for g in optimizer.param_groups
+    ]
+    return 4 * sum(flat)
 
 
 def _grad_accumulation(cfg: Config, dp: int) -> int:
@@ -397,6 +414,7 @@ def trace_memory(cfg: Config, rank: int, world: int) -> dict:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 zero = _zero_state(cfg, optimizer, replicas, layout.replica_rank)
+                fp32_sums = _fp32_sums(cfg, optimizer, replicas)
     finally:
         distributed.teardown_fake()
 
@@ -405,6 +423,8 @@ def trace_memory(cfg: Config, rank: int, world: int) -> dict:
         "grads": _bytes(backward, _MemRefType.GRAD),
         "optimizer": _bytes(start, _MemRefType.OPT, _MemRefType.OTH),  # moments, steps; the masters
     }
+    if fp32_sums:  # not traced (DeepSpeed's, not the model's): added to the gradients and every peak
+        zero["grads"] = state["grads"] + fp32_sums
     # the ZeRO-2/3 partitions the trace held whole: counted as ZeRO divides them, peaks corrected
     held_whole = sum(state[k] - v for k, v in zero.items())
     state.update(zero)
@@ -551,7 +571,7 @@ def compare_with_plan(cfg: Config, world: int, traced: dict) -> list[dict]:
     rows.append(_row("transient:step", tr["fp32_grads"], transient["step"], "the masters' gradients"))
     untraced = {
         "zero3_gather": "ZeRO-3's gathered layer",
-        "allreduce": "ZeRO-0's all-reduce copy",
+        "allreduce": "the boundary all-reduce's flat copy (ZeRO-0, BF16_Optimizer)",
         "params_norm": "the log step's parameter norm (after the step)",
     }
     unseen = _join([f"{what} {_gib(tr[key])}" for key, what in untraced.items() if tr[key]])

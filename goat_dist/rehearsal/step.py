@@ -128,7 +128,13 @@ def dp_collectives(cfg: Config, layout, params: list[torch.nn.Parameter], micro:
         out = torch.empty(part * n, dtype=dtype, device=META)
         collectives.all_gather_into_tensor(out, shard, group=group)
 
-    if stage == 0 and when == "boundary":
+    micro_batches = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp), 1)
+    # BF16_Optimizer (bf16 accumulating in fp32 at ZeRO-0/1): its fp32 sums all-reduced at the boundary as
+    # ZeRO-0's gradients are, and at ZeRO-1 the updated weights all-gathered from the partitions
+    bf16_optimizer = sizes.uses_bf16_optimizer(
+        stage, cfg.train.precision, cfg.parallel.grad_accum_dtype, micro_batches, cfg.train.batch_rampup
+    )
+    if (stage == 0 or bf16_optimizer) and when == "boundary":
         for size in buckets(sizes.ZERO0_ALLREDUCE_ELEMENTS):
             collectives.all_reduce(torch.empty(size, dtype=comm, device=META), group=group)
     elif stage == 1 and when == "boundary":
@@ -143,7 +149,9 @@ def dp_collectives(cfg: Config, layout, params: list[torch.nn.Parameter], micro:
         if when == "backward":
             for size in buckets(bucket):
                 reduce_scatter(size, comm)
-    if stage in (1, 2) and when == "update":
+    if bf16_optimizer and stage == 1 and when == "update":  # one all-gather of each flat group
+        all_gather(sum(numels), weights)
+    elif stage in (1, 2) and when == "update":
         for size in buckets(bucket):
             all_gather(size, weights)
     if when == "boundary" and cfg.train.grad_clip:

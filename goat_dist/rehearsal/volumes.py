@@ -28,6 +28,7 @@ B bytes over n ranks sends 2(n-1)/n B, an all-gather or reduce-scatter of a whol
 from __future__ import annotations
 
 from ..config import Config
+from ..engine.sizes import uses_bf16_optimizer
 from ..shapes import head_dims, param_inventory
 
 
@@ -68,8 +69,13 @@ def analytical(cfg: Config, tp: int, cp: int, dp: int, micro_batches: int) -> di
     grad = (4 if a == 4 or cfg.parallel.grad_reduce_dtype == "fp32" else 2) * numel
     weight = a * numel
     stage = cfg.parallel.zero_stage
+    bf16_optimizer = uses_bf16_optimizer(
+        stage, cfg.train.precision, cfg.parallel.grad_accum_dtype, micro_batches, cfg.train.batch_rampup
+    )
     if stage == 0:
         dp_bytes = _ring(grad, replicas, True)
+    elif bf16_optimizer:  # ZeRO-1's BF16_Optimizer: the fp32 sums all-reduced, the weights all-gathered
+        dp_bytes = _ring(grad, replicas, True) + _ring(weight, replicas, False)
     elif stage == 1:
         dp_bytes = _ring(grad, replicas, False) + _ring(weight, replicas, False)
     elif stage == 2:

@@ -239,16 +239,19 @@ def test_a_resume_past_the_ramp_checks_only_the_batches_to_come(tmp_path, builti
 BF16_RESUME_RTOL = 1e-4
 BF16_CHANGES = [
     ("bf16-zero0-to-dp2-zero2", 1, [], 2, ["parallel.zero_stage=2"]),
-    ("bf16-dp2-zero2-to-zero0", 2, ["parallel.zero_stage=2"], 1, []),
+    # ZeRO-3 into ZeRO-1's BF16_Optimizer (fp32 sums; masters partitioned), ZeRO-0's (masters whole) out
+    ("bf16-dp2-zero3-to-dp2-zero1", 2, ["parallel.zero_stage=3"], 2, ["parallel.zero_stage=1"]),
 ]
 RESUME_DUMP = str(ROOT / "tests" / "workers" / "resume_dump.py")
 
 
 @pytest.mark.parametrize("name,n_old,old,n_new,new", BF16_CHANGES, ids=[c[0] for c in BF16_CHANGES])
 def test_bf16_resume_on_another_layout(name, n_old, old, n_new, new, tmp_path, builtin_cache):
-    """bf16 ZeRO-0 <-> ZeRO-2 through universal/: the fp32 masters and Adam moments arrive unchanged (the
-    resumed engine's own universal dump equals the checkpoint's; the moments are not zero) and the next
-    steps' losses equal the uninterrupted run's within BF16_RESUME_RTOL."""
+    """bf16 across ZeRO stages through universal/ (ZeRO-0 and ZeRO-1 accumulate in fp32 here: TINY takes
+    4 and 2 micro-batches a step at DP 1 and 2, so their engines run BF16_Optimizer): the fp32 masters
+    and Adam moments arrive unchanged (the resumed engine's own universal dump equals the checkpoint's; the
+    moments are not zero) and the next steps' losses equal the uninterrupted run's within
+    BF16_RESUME_RTOL."""
     common = ["train.max_steps=10", f"data.cache_dir={builtin_cache}"]
     before = tmp_path / "before"
     run(n_old, [*common, *old, "checkpoint.interval=8", f"run.dir={before}"], precision="bf16")

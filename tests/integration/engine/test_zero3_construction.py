@@ -2,7 +2,10 @@
 trainer builds under ZeRO-3 holds the same initial weights (gathered) as the one built whole without ZeRO,
 a rank's construction allocates about its share (its partitions plus one part's whole tensors, not the
 whole model), and the engine takes the partitions as they are: the same optimizer groups and the same
-losses as an engine that partitioned a whole-built model itself. Slow (one launch, ~1 min on 2 cores)."""
+losses as an engine that partitioned a whole-built model itself. Nothing is broadcast at start (neither
+``zero.Init`` as it partitions nor the engine given a whole model: ``patches.checked_not_broadcast``):
+the ranks' weights are identical because they built them so, as their fingerprints' all-reduce checked.
+Slow (one launch, ~1 min on 2 cores)."""
 
 from __future__ import annotations
 
@@ -71,17 +74,28 @@ def _two_steps(engine, vocab: int) -> list[float]:
 
 def _built_partitioned_rank(layout) -> dict:
     import torch
+    import torch.distributed as dist
 
     from goat_dist.config import load_config
     from goat_dist.engine.construct import partition_as_built
+    from goat_dist.engine.patches import fingerprint
     from goat_dist.engine.zero3 import gathered, is_partitioned
     from goat_dist.model import GPT
     from goat_dist.parallel.parallelize import parallelize
     from goat_dist.plan.memory import construction_bytes
 
+    broadcast, broadcasts = dist.broadcast, []
+
+    def counted(tensor, *args, **kwargs):  # DeepSpeed's comm layer calls torch.distributed.broadcast
+        broadcasts.append(tensor.numel() * tensor.element_size())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = counted
     cfg = load_config(None, OVERRIDES)
     reset, peak = _peak_tracker()
-    # a first small build loads the code both builds run (library pages count in the RSS too)
+    # a first small build loads the code both builds run (library pages count in the RSS too); seeded
+    # as every build is (the trainer's seed_everything): the ranks' weights are checked, not broadcast
+    torch.manual_seed(0)
     GPT(load_config(None, [*OVERRIDES, "model.num_layers=1"]).model, built=partition_as_built(cfg, 1, layout))
     hook = partition_as_built(cfg, grad_accum=1, layout=layout)
     reset()
@@ -94,6 +108,7 @@ def _built_partitioned_rank(layout) -> dict:
     whole_bytes = peak()
     with gathered(model):
         differ = [n for n, p in model.named_parameters() if not torch.equal(p, whole.get_parameter(n))]
+        weights = [fingerprint(p).tolist() for p in model.parameters()]
     result = {
         "partitioned": all(is_partitioned(p) for p in model.parameters()),
         "differ": differ,
@@ -113,7 +128,8 @@ def _built_partitioned_rank(layout) -> dict:
         groups = zip(opt.optimizer.param_groups, opt.fp16_groups)
         result[f"{key}_groups"] = {g["name"]: sorted(names[id(p)] for p in ps) for g, ps in groups}
         result[f"{key}_losses"] = _two_steps(engine, cfg.model.vocab_size)
-    return result
+    dist.broadcast = broadcast
+    return {**result, "weights": weights, "broadcasts": broadcasts}
 
 
 def test_zero3_builds_partitioned_with_the_whole_models_weights():
@@ -137,3 +153,9 @@ def test_zero3_builds_partitioned_with_the_whole_models_weights():
         assert r["built_groups"] == r["whole_groups"] and len(r["built_groups"]["decay"]) > 8, r
         assert r["built_losses"] == r["whole_losses"], r
     assert ranks[0]["built_losses"] == ranks[1]["built_losses"]
+    # identical weights on both ranks, none of them broadcast (DeepSpeed broadcast every parameter: in
+    # zero.Init for the partitioned build, in the engine and in zero.Init for the whole one); what is left
+    # is a few pickled objects (broadcast_object_list: 11 KB in all)
+    assert ranks[0]["weights"] == ranks[1]["weights"] and len(ranks[0]["weights"]) == ranks[0]["names"]
+    for r in ranks:
+        assert sum(r["broadcasts"]) < 1e-3 * r["model_bytes"], (sum(r["broadcasts"]), r["model_bytes"])

@@ -174,7 +174,8 @@ def test_the_verdict_words_follow_the_headroom():
     best = largest_micro_batch(load_config(path), 8, h100)
 
     def verdict(micro: int) -> str:
-        cfg = load_config(path, [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * 8}"])
+        # two micro-batches a step, as the config's 512 gives every micro-batch size here (the fp32 sums)
+        cfg = load_config(path, [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * 16}"])
         return make_plan(cfg, 1, 8, h100)["verdict"]
 
     assert verdict(1) == "fits"
@@ -215,14 +216,14 @@ def test_a_zero2_rank_holds_the_whole_parameters_touching_its_partition():
 def test_zero1_holds_whole_gradients_until_the_boundary_and_zero2_a_second_partition():
     """Mid-accumulation: ZeRO-1 keeps every parameter's whole gradient; ZeRO-2 its partition's whole
     parameters, plus the next micro-batch's copy when there is one; the busiest rank is the plan's
-    (bf16 reduction: with fp32 reduction ZeRO-2 accumulates into an fp32 partition, tested below)."""
+    (bf16 reduction and accumulation: fp32 accumulation is tested in test_plan_grad_reduction.py)."""
     from goat_dist.plan.memory import state_bytes, total_params
 
     path = ROOT / "configs/models/goat_1.3b.yaml"  # bf16, DP 8
 
     def state(stage: int, global_batch: int = 512, rank=None) -> dict:
         over = [f"parallel.zero_stage={stage}", f"train.global_batch_size={global_batch}",
-                "parallel.grad_reduce_dtype=bf16"]  # fmt: skip
+                "parallel.grad_reduce_dtype=bf16", "parallel.grad_accum_dtype=bf16"]  # fmt: skip
         return state_bytes(load_config(path, over), 8, rank=rank)
 
     n = total_params(load_config(path).model)

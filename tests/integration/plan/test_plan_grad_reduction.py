@@ -1,6 +1,6 @@
-"""The planner under ``parallel.grad_reduce_dtype``: gradients cross the data-parallel group in the
-chosen width (time), and ZeRO-2/3 hold an fp32 accumulated partition where the engine keeps one (memory).
-"""
+"""The planner under ``parallel.grad_reduce_dtype`` and ``parallel.grad_accum_dtype``: gradients cross the
+data-parallel group in the chosen width (time), and every stage holds the fp32 sums its engine keeps
+(memory): ZeRO-2/3 an fp32 partition, ZeRO-0/1 ``BF16_Optimizer``'s whole fp32 buffer."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "configs/models/goat_1.3b.yaml"  # bf16, micro 8, global 512
 
 
-def times(stage: int, key: str, precision: str = "bf16") -> dict:
-    """Throughput of the 1.3B model on 4 nodes x 8 H100 (DP 32 over the network)."""
+def times(stage: int, key: str, precision: str = "bf16", accum: str = "bf16") -> dict:
+    """Throughput of the 1.3B model on 4 nodes x 8 H100 (DP 32 over the network); micro-batches summed in
+    ``accum`` (bf16 by default here: the reduction alone changes)."""
     over = [
         f"parallel.zero_stage={stage}",
         f"parallel.grad_reduce_dtype={key}",
         f"train.precision={precision}",
+        f"parallel.grad_accum_dtype={accum}",
     ]
     cfg = load_config(MODEL, over)
     return throughput(cfg, layout_of(cfg, 32), gpu("h100-80gb"), 8)
@@ -43,27 +45,37 @@ def test_dp_time_doubles_from_bf16_to_fp32_reduction_all_else_fixed():
     assert times(0, "fp32", "fp32")["dp_comm_s"] == fp32["dp_comm_s"]
 
 
-def state(stage: int, key: str, global_batch: int = 512) -> dict:
-    over = [f"parallel.zero_stage={stage}", f"parallel.grad_reduce_dtype={key}",
+def test_zero1_accumulating_in_fp32_all_reduces_its_sums():
+    """ZeRO-1 with fp32 accumulation runs BF16_Optimizer: the fp32 sums are all-reduced (twice a
+    reduce-scatter's bytes) and the bf16 weights all-gathered: 2 x 4 + 2 bytes per element against
+    ZeRO-1's 4 + 2. ZeRO-0 all-reduces as before."""
+    fp32_sums, bf16_sums = times(1, "fp32", accum="fp32"), times(1, "fp32")
+    assert fp32_sums["dp_comm_s"] == pytest.approx(10 / 6 * bf16_sums["dp_comm_s"])
+    assert times(0, "fp32", accum="fp32")["dp_comm_s"] == times(0, "fp32")["dp_comm_s"]
+
+
+def state(stage: int, accum: str, global_batch: int = 512) -> dict:
+    over = [f"parallel.zero_stage={stage}", f"parallel.grad_accum_dtype={accum}",
             f"train.global_batch_size={global_batch}"]  # fmt: skip
     return state_bytes(load_config(MODEL, over), 8)
 
 
-def test_fp32_accumulation_holds_an_fp32_partition_at_zero2_and_zero3():
-    """DP 8, accumulating (512 = micro 8 x DP 8 x 8): ZeRO-2's gradients are one fp32 flat partition
-    (4 Psi / N) with no second copy, but the whole bf16 gradients of the large parameters touching it stay
-    until the backward ends; ZeRO-3's flat partition doubles and its reduce bucket is fp32. Without
-    accumulation (global 64) ZeRO-2 keeps bf16 gradients; ZeRO-0/1 keep bf16 accumulation (DeepSpeed
-    refuses or swaps the optimizer), so their state does not change."""
+def test_fp32_accumulation_holds_fp32_sums_at_every_stage():
+    """DP 8, accumulating (512 = micro 8 x DP 8 x 8), fp32 reduction: ZeRO-2's gradients are one fp32 flat
+    partition (4 Psi / N) with no second copy, but the whole bf16 gradients of the large parameters
+    touching it stay until the backward ends; ZeRO-3's flat partition doubles. ZeRO-0/1 (BF16_Optimizer)
+    keep a whole fp32 buffer (4 Psi) next to the bf16 .grad; their masters and moments are as before.
+    Without accumulation (global 64) nothing changes."""
     n = total_params(load_config(MODEL).model)
-    h2 = 2048**2
     fp32, bf16 = state(2, "fp32"), state(2, "bf16")
     assert fp32["grads"] == pytest.approx(4 * n / 8, rel=1e-3)
     assert fp32["buffers"] < bf16["buffers"]  # no copy of the partition beside the sum
     assert 0 < fp32["total"] - bf16["total"] < 2 * n / 8  # +0.22 GiB: less than a bf16 partition
-    assert state(2, "fp32", global_batch=64) == state(2, "bf16", global_batch=64)
     z3, z3_bf16 = state(3, "fp32"), state(3, "bf16")
     assert z3["grads"] == 2 * z3_bf16["grads"]
-    assert z3["buffers"] - z3_bf16["buffers"] == 2 * h2  # the bucket: 4 bytes per element, not 2
     for stage in (0, 1):
-        assert state(stage, "fp32") == state(stage, "bf16"), stage
+        sums, plain = state(stage, "fp32"), state(stage, "bf16")
+        assert sums["grads"] - plain["grads"] == pytest.approx(4 * n, rel=1e-3), stage
+        assert sums["optimizer"] == pytest.approx(plain["optimizer"], rel=1e-3), stage
+    for stage in range(4):
+        assert state(stage, "fp32", global_batch=64) == state(stage, "bf16", global_batch=64), stage

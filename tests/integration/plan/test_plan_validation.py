@@ -108,8 +108,12 @@ def test_the_measurements_see_what_the_planner_claims(measured):
     got = per_rank[0]
     for name in CONFIGS:
         z = {stage: got[f"{name}/zero{stage}"] for stage in STAGES}
-        assert z[1]["boundary_grads"] == 0 < z[0]["boundary_grads"]  # ZeRO-1 reduced them into partitions
-        assert z[1]["mid_state"] > z[1]["boundary_state"]
+        if "bf16" in name:  # ZeRO-0/1 accumulate in fp32 (BF16_Optimizer): the whole sums stay, at both
+            assert z[1]["boundary_grads"] == pytest.approx(z[0]["boundary_grads"], rel=0.01)
+            assert z[1]["boundary_grads"] > 0 and z[1]["mid_state"] == z[1]["boundary_state"]
+        else:
+            assert z[1]["boundary_grads"] == 0 < z[0]["boundary_grads"]  # ZeRO-1 reduced into partitions
+            assert z[1]["mid_state"] > z[1]["boundary_state"]
         assert z[2]["epilogue_peak"] == z[2]["mid_state"] > z[2]["boundary_state"]
         assert z[3]["boundary_state"] < 0.75 * z[0]["boundary_state"]
     full = load_config(None, overrides["rope-bf16-full/zero0"])

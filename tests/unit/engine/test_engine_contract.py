@@ -175,13 +175,33 @@ def test_the_model_parallel_attribute_is_what_deepspeeds_norm_reads(world1):
     assert is_model_parallel_parameter(p.grad) and not is_model_parallel_parameter(torch.ones(1))
 
 
+# "bf16+sums": bf16 with two micro-batches a step, summed in fp32 (BF16_Optimizer at ZeRO-0/1)
 LAYOUTS = [
     (0, "fp32", masters.PlainAdam, ()),
     (0, "bf16", masters.UnfusedMasters, ("fp16_groups", "fp32_groups")),
+    (0, "bf16+sums", masters.BF16Masters, ("fp32_groups_flat_partition", "update_lp_params")),
     (1, "fp32", masters.Zero12, ("single_partition_of_fp32_groups", "_lazy_init_hp_params_optimizer_state")),
+    (
+        1,
+        "bf16+sums",
+        masters.BF16Masters,
+        ("fp32_groups_flat_partition", "_lazy_init_hp_params_optimizer_state"),
+    ),
     (2, "bf16", masters.Zero12, ("single_partition_of_fp32_groups", "update_lp_params")),
     (3, "fp32", masters.Zero3, ("fp32_partitioned_groups_flat", "_get_fp32_opt_state_partition")),
 ]
+
+
+def build_and_step(stage: int, precision: str, fp32: bool = False, scale: float = 1.0):
+    """(model, engine) after one optimizer step (its last backward scaled by ``scale``, and the step left
+    to the caller when ``scale`` is not 1); "bf16+sums" takes two micro-batches."""
+    accum = 2 if precision == "bf16+sums" else 1
+    model, engine = build(stage, precision.removesuffix("+sums"), fp32=fp32, accum=accum)
+    for micro in range(accum):
+        backward(engine, scale=scale if micro == accum - 1 else 1.0, seed=micro + 1)
+        if micro < accum - 1 or scale == 1.0:
+            engine.step()
+    return model, engine
 
 
 @pytest.mark.parametrize(
@@ -190,9 +210,7 @@ LAYOUTS = [
 def test_master_layout_reads_and_writes_where_deepspeed_keeps_them(world1, stage, precision, kind, attrs):
     """Per stage x precision: the optimizer class ``layout_of`` maps, the attributes it reads, and a write
     through ``owned`` + ``finish_load`` that reads back through ``full`` and reaches the forward weights."""
-    model, engine = build(stage, precision, fp32=True)
-    backward(engine)
-    engine.step()
+    model, engine = build_and_step(stage, precision, fp32=True)
     layout = masters.layout_of(engine)
     assert type(layout) is kind and all(hasattr(engine.optimizer, a) for a in attrs)
     layout.prepare()
@@ -203,7 +221,7 @@ def test_master_layout_reads_and_writes_where_deepspeed_keeps_them(world1, stage
         assert float(whole["exp_avg_sq"].abs().sum()) > 0, name  # the moments of the step just taken
         owned = layout.owned(p)
         assert sum(o.numel for o in owned) == whole[""].numel(), name  # one rank holds all of it
-        if stage in (1, 2):
+        if stage in (1, 2) or kind is masters.BF16Masters:
             assert p._hp_mapping.lp_fragment_address.numel == p.numel()
         value = torch.arange(whole[""].numel(), dtype=torch.float32) / 64
         with torch.no_grad():  # as universal.load writes them
@@ -234,7 +252,7 @@ def test_zero3_partition_is_a_padded_flat_ds_tensor(world1):
         assert list(model.proj.weight.shape) == [8, 8]
 
 
-DROPS = [(0, "fp32"), (0, "bf16"), (2, "fp32"), (3, "fp32")]
+DROPS = [(0, "fp32"), (0, "bf16"), (0, "bf16+sums"), (1, "bf16+sums"), (2, "fp32"), (3, "fp32")]
 
 
 @pytest.mark.parametrize("stage,precision", DROPS, ids=[f"{p}-zero{s}" for s, p in DROPS])
@@ -242,22 +260,30 @@ def test_a_dropped_step_changes_nothing_and_restores_the_optimizer(world1, stage
     """NaN gradients are seen where DeepSpeed keeps this rank's reduced gradients; ``update_dropped``
     sends the step through DeepSpeed's overflow path (no update, no LR step, ``skipped_steps`` + 1) and
     then removes its shadowing attributes, so the next step updates as usual."""
-    model, engine = build(stage, precision)
+    accum = 2 if precision == "bf16+sums" else 1
+    model, engine = build(stage, precision.removesuffix("+sums"), accum=accum)
     opt = engine.optimizer
     before, own = full_values(engine, model), dict(vars(opt))
     shadowing = ("step", "check_overflow", "_overflow_check_and_loss_scale_update", "overflow")
-    backward(engine, scale=float("nan"))
+    for micro in range(accum):  # the NaN in the first micro-batch: it must survive the fp32 sum
+        backward(engine, scale=float("nan") if micro == 0 else 1.0, seed=micro + 1)
+        if micro < accum - 1:
+            engine.step()
     assert float(steps.local_grads_nonfinite(engine)) == 1.0
     with steps.update_dropped(engine):
         engine.step()
     assert [k for k in shadowing if (k in vars(opt)) != (k in own)] == []  # the class's methods again
     assert all(vars(opt)[k] is own[k] for k in shadowing if k in own and callable(own[k]))  # LR wrapper
     assert getattr(opt, "check_grad_overflow", None) == own.get("check_grad_overflow")
-    assert steps.step_counters(engine) == {"global_steps": 1, "global_samples": 2, "skipped_steps": 1}
+    samples = 2 * accum
+    assert steps.step_counters(engine) == {"global_steps": 1, "global_samples": samples, "skipped_steps": 1}
     assert engine.lr_scheduler.last_epoch == 0
     after = full_values(engine, model)
     assert all(torch.equal(before[n], after[n]) for n in before)
-    backward(engine)
+    for micro in range(accum):
+        backward(engine, seed=micro + 1)
+        if micro < accum - 1:
+            engine.step()
     assert float(steps.local_grads_nonfinite(engine)) == 0.0
     engine.step()
     assert engine.lr_scheduler.last_epoch == 1 and steps.step_counters(engine)["skipped_steps"] == 1
@@ -310,10 +336,13 @@ def test_memory_walk_finds_the_optimizers_state(world1, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_bf16_gradients_are_reduced_in_fp32_and_accumulated_where_configured(world1, stage):
+def test_bf16_gradients_are_reduced_and_accumulated_in_fp32_at_every_stage(world1, stage):
     """``deepspeed_config``'s ``communication_data_type`` is the engine's reduction dtype at every stage,
-    and ``grad_accum_dtype`` fp32 makes ZeRO-2's accumulated partition (``averaged_gradients``) and
-    ZeRO-3's flat partition fp32, read where ``steps`` reads them, through two micro-batches and a step."""
+    and ``grad_accum_dtype`` fp32 makes the accumulated gradients fp32 where ``steps`` reads them, through
+    two micro-batches and a step: ZeRO-2's partition (``averaged_gradients``), ZeRO-3's flat partition,
+    and ZeRO-0/1's ``BF16_Optimizer`` buffers (ZeRO-0's masters kept whole on the rank)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
     model, engine = build(stage, "bf16", fp32=True, accum=2)
     assert engine.communication_data_type == torch.float32
     backward(engine, seed=1)
@@ -322,29 +351,44 @@ def test_bf16_gradients_are_reduced_in_fp32_and_accumulated_where_configured(wor
     opt = engine.optimizer
     if stage == 3:
         held = [opt.grad_partitions_flat_buffer]
-    elif stage in (1, 2):
+    elif stage == 2:
         held = [g for gs in opt.averaged_gradients.values() for g in gs]
     else:
-        held = [p.grad for p in model.parameters() if p is not model.prior]
-    want = torch.float32 if stage in (2, 3) else torch.bfloat16
-    assert held and all(g.dtype == want for g in held), [g.dtype for g in held]
+        assert type(opt) is BF16_Optimizer
+        held = list(opt.fp32_groups_gradients_flat)
+        assert masters.layout_of(engine).replicated == (stage == 0)
+    assert held and all(g.dtype == torch.float32 for g in held), [g.dtype for g in held]
     assert float(steps.local_grads_nonfinite(engine)) == 0.0
     engine.step()
     assert steps.step_counters(engine)["global_steps"] == 1 and steps.global_grad_norm(engine) > 0
-    masters.layout_of(engine)  # the optimizer class is still one whose masters we read
+    masters.layout_of(engine)  # the optimizer class is one whose masters we read
 
 
-def test_fp32_accumulation_is_refused_at_zero0_and_swaps_zero1s_optimizer(world1):
-    """Why ``deepspeed_config`` asks for fp32 accumulation at ZeRO-2/3 only: bf16 weights with fp32
-    accumulation raise without ZeRO, and turn ZeRO-1 into ``BF16_Optimizer``, a layout ``masters`` does not
-    read. If either changes, ZeRO-0/1 may accumulate in fp32 too."""
+def test_bf16_accumulation_when_chosen_keeps_deepspeeds_optimizers(world1):
+    """``parallel.grad_accum_dtype=bf16``: ZeRO-0 and ZeRO-1 keep the optimizers that sum micro-batches in
+    the bf16 ``.grad`` (FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer)."""
+    for stage, kind in ((0, "FP16_UnfusedOptimizer"), (1, "DeepSpeedZeroOptimizer")):
+        cfg = one_layer_config(
+            f"parallel.zero_stage={stage}", "train.precision=bf16", "parallel.grad_accum_dtype=bf16"
+        )
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        engine = build_engine(model, distributed.current_layout(), cfg, 2, optimizer=opt, scheduler=sched)
+        assert type(engine.deepspeed.optimizer).__name__ == kind
+
+
+def test_deepspeed_refuses_fp32_accumulation_at_zero0_unless_patched(world1):
+    """Why ``patches.bf16_optimizer_without_zero`` exists: bf16 weights with fp32 accumulation raise
+    without ZeRO; with the patch the engine builds ``BF16_Optimizer`` over a group of the rank alone. If
+    DeepSpeed stops refusing, the patch may go."""
     import deepspeed
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     from goat_dist.engine.build import MegatronMPU, deepspeed_config
 
-    def engine(stage: int):
-        cfg = one_layer_config(f"parallel.zero_stage={stage}", "train.precision=bf16")
+    def engine():
+        cfg = one_layer_config("parallel.zero_stage=0", "train.precision=bf16")
         config = {**deepspeed_config(cfg, 2), "data_types": {"grad_accum_dtype": "fp32"}}
         model = Tiny()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -357,11 +401,10 @@ def test_fp32_accumulation_is_refused_at_zero0_and_swaps_zero1s_optimizer(world1
         )[0]
 
     with pytest.raises(NotImplementedError, match="unsupported mix"):
-        engine(0)
-    zero1 = engine(1)
-    assert type(zero1.optimizer) is BF16_Optimizer
-    with pytest.raises(RuntimeError, match="unknown optimizer layout"):
-        masters.layout_of(zero1)
+        engine()
+    with patches.bf16_optimizer_without_zero(True):
+        patched = engine()
+    assert type(patched.optimizer) is BF16_Optimizer and patched.optimizer.partition_count == [1]
 
 
 def test_the_sizes_the_planner_counts_are_deepspeeds():

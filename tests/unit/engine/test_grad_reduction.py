@@ -1,5 +1,6 @@
-"""The dtype gradients are reduced and accumulated in (``parallel.grad_reduce_dtype``): what the engine's
-DeepSpeed config asks for, and that the planner's memory model assumes the same (no process group)."""
+"""The dtype gradients are reduced in (``parallel.grad_reduce_dtype``) and accumulated in
+(``parallel.grad_accum_dtype``): what the engine's DeepSpeed config asks for, and that the planner's memory
+model assumes the same (no process group)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def ds(stage: int, precision: str, accum: int = 1, *extra: str) -> dict:
 def test_bf16_reduces_gradients_in_fp32_by_default_and_in_bf16_when_chosen(stage):
     assert ds(stage, "bf16")["communication_data_type"] == "fp32"
     chosen = ds(stage, "bf16", 4, "parallel.grad_reduce_dtype=bf16")
-    assert chosen["communication_data_type"] == "bf16" and "data_types" not in chosen
+    assert chosen["communication_data_type"] == "bf16"
+    assert chosen["data_types"] == {"grad_accum_dtype": "fp32"}  # the accumulation is its own key
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -31,14 +33,16 @@ def test_fp32_runs_leave_deepspeeds_fp32_defaults_alone(stage):
         assert config["bf16"] == {"enabled": False}
 
 
-def test_fp32_accumulation_only_where_deepspeed_keeps_this_engines_optimizer():
-    """ZeRO-2/3 accumulate micro-batches in fp32; ZeRO-0 (refused by DeepSpeed) and ZeRO-1 (another
-    optimizer class) keep bf16 accumulation; one micro-batch accumulates nothing."""
+def test_bf16_accumulates_in_fp32_at_every_stage_unless_bf16_is_chosen():
+    """Every ZeRO stage accumulates micro-batches in fp32 by default; ``parallel.grad_accum_dtype=bf16``
+    keeps DeepSpeed's bf16 sums; one micro-batch accumulates nothing, unless a batch ramp-up will have more
+    (the optimizer is chosen once)."""
     for stage in range(4):
-        accumulating = ds(stage, "bf16", 4).get("data_types")
-        expected = {"grad_accum_dtype": "fp32"} if stage in (2, 3) else None
-        assert accumulating == expected, stage
+        assert ds(stage, "bf16", 4).get("data_types") == {"grad_accum_dtype": "fp32"}, stage
+        assert "data_types" not in ds(stage, "bf16", 4, "parallel.grad_accum_dtype=bf16"), stage
         assert "data_types" not in ds(stage, "bf16", 1), stage
+        ramp = ds(stage, "bf16", 1, "train.global_batch_size=64", "train.batch_rampup=[16,16,1000]")
+        assert ramp.get("data_types") == {"grad_accum_dtype": "fp32"}, stage
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -57,7 +61,8 @@ def test_the_planner_assumes_the_engines_gradient_dtypes(stage, key, precision):
         assert memory._fp32_accumulation(cfg, replicas) == fp32_accum, (replicas, accum)
 
 
-def test_the_key_is_validated():
-    with pytest.raises(ConfigError, match="parallel.grad_reduce_dtype"):
-        one_layer_config("parallel.grad_reduce_dtype=fp16")
-    assert one_layer_config().parallel.grad_reduce_dtype == "fp32"
+def test_the_keys_are_validated():
+    for key in ("grad_reduce_dtype", "grad_accum_dtype"):
+        with pytest.raises(ConfigError, match=f"parallel.{key}"):
+            one_layer_config(f"parallel.{key}=fp16")
+        assert getattr(one_layer_config().parallel, key) == "fp32"

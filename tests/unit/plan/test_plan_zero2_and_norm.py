@@ -31,13 +31,18 @@ def test_zero2_dp_time_grows_with_accumulation_zero1_does_not():
     assert z2_8 > z1_8  # 30B at accumulation 8: ZeRO-2 no longer ties ZeRO-1
 
 
-def test_params_norm_float64_transient_is_in_the_breakdown():
+def test_params_norm_fp32_piece_is_in_the_breakdown():
+    from goat_dist.observe import step_metrics
+    from goat_dist.plan import memory
+
+    assert memory.NORM_CHUNK == step_metrics.NORM_CHUNK  # the piece the norm squares at once
     for stage in (1, 3):
         cfg = load_config(GOAT_30B, ["parallel.tp=1", "parallel.sp=false", f"parallel.zero_stage={stage}"])
         largest = max(p.numel for p in param_inventory(cfg.model, 1))
         t = transient_bytes(cfg, 128, 1)
-        # two float64 copies (cast, square) of the largest tensor this rank holds
-        assert t["params_norm"] == 16 * (largest if stage == 1 else -(-largest // 128))
+        # one fp32 piece of the largest tensor this rank holds, at most NORM_CHUNK elements
+        local = largest if stage == 1 else -(-largest // 128)
+        assert t["params_norm"] == 4 * min(memory.NORM_CHUNK, local)
         assert t["total"] == sum(v for k, v in t.items() if k != "total")
     plan = make_plan(load_config(GOAT_30B, []), 16, 8, gpu("h100-80gb"))
     assert plan["memory"]["transient"]["params_norm"] > 0
