@@ -333,6 +333,30 @@ def local_device_index(local_rank: int, visible: int, environ=None) -> int:
     return local_rank
 
 
+NODE_LOCAL_RANK = "GOAT_NODE_LOCAL_RANK"  # the launcher's LOCAL_RANK, where LOCAL_RANK was made the device's
+
+
+def node_local_rank(environ=None) -> int:
+    """This process's place among its node's processes, as the launcher numbered them: which process does
+    a node's once-only work (local checks, the node's view of shared files). ``LOCAL_RANK``, unless
+    ``bind_local_rank`` made that the device's index."""
+    env = os.environ if environ is None else environ
+    return int(env.get(NODE_LOCAL_RANK, env.get("LOCAL_RANK", 0)))
+
+
+def bind_local_rank(environ, index: int) -> None:
+    """Make ``LOCAL_RANK`` the index of this task's device, keeping the launcher's in ``NODE_LOCAL_RANK``.
+
+    Why: DeepSpeed takes its device from ``LOCAL_RANK`` itself (its engine's ``_set_distributed_vars``,
+    ZeRO-3's ``zero.Init`` and ``zero/utils.py``), so under one GPU per task, where ``LOCAL_RANK`` 0-7
+    each see their one device as cuda:0 (``local_device_index``), it would ask for a device past the
+    task's. Nothing changes where the two agree (every task sees all of its node's GPUs)."""
+    launcher = environ.get("LOCAL_RANK", "0")
+    if launcher != str(index):
+        environ.setdefault(NODE_LOCAL_RANK, launcher)
+        environ["LOCAL_RANK"] = str(index)
+
+
 def local_device(local_rank: int | None = None) -> torch.device:
     """This task's CUDA device (``local_device_index`` of ``LOCAL_RANK`` and the devices it sees)."""
     if local_rank is None:
@@ -377,7 +401,9 @@ def init(
     if cuda:
         _nccl_for_new_groups()
     if cuda and dist.get_backend() != "fake":  # a simulated CUDA machine (tests) has no device to pick
-        torch.cuda.set_device(local_device())  # LOCAL_RANK's, or the task's only one (local_device_index)
+        device = local_device()  # LOCAL_RANK's, or the task's only one (local_device_index)
+        bind_local_rank(os.environ, device.index)  # DeepSpeed reads LOCAL_RANK for its device
+        torch.cuda.set_device(device)
     if not parallel_state.model_parallel_is_initialized():
         if dist.get_world_size() % (tp * cp):  # megatron would only assert
             what = f"parallel.tp={tp}" if cp == 1 else f"parallel.tp={tp} x parallel.cp={cp} = {tp * cp}"
@@ -402,7 +428,7 @@ def current_layout() -> Layout:
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("no parallel layout: goat_dist.distributed.init() has not run in this process")
     cuda = torch.cuda.is_available() and dist.get_backend() != "fake"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = node_local_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     return Layout(
@@ -413,7 +439,7 @@ def current_layout() -> Layout:
         dp=dist.get_world_size() // (tp * cp),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),  # without CP: the loader's split
-        device=local_device(local_rank) if cuda else torch.device("cpu"),
+        device=local_device() if cuda else torch.device("cpu"),
         cp=cp,
         cp_rank=parallel_state.get_context_parallel_rank(),
         replica_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),

@@ -29,6 +29,7 @@ LAUNCHER_VARS = frozenset(
         "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS",
         "GOAT_LAUNCHER_PID",  # lifeline.LAUNCHER_PID_VAR: a child world has a launcher of its own
+        "GOAT_NODE_LOCAL_RANK",  # distributed.NODE_LOCAL_RANK: the parent's place on its node
     }
 )
 

@@ -70,7 +70,9 @@ def check_sources(cfg: Config, log=None) -> None:
     named = _named(cfg)
     if named:
         log = log or (_warn if os.environ.get("RANK", "0") == "0" else None)
-        _check_all(cfg, named, int(os.environ.get("LOCAL_RANK", "0")), log=log)
+        # the launcher's local rank (distributed.node_local_rank: LOCAL_RANK may name the device instead)
+        local_rank = os.environ.get("GOAT_NODE_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        _check_all(cfg, named, int(local_rank), log=log)
 
 
 def _named(cfg: Config) -> list[tuple[str, str]]:

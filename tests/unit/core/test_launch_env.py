@@ -233,3 +233,32 @@ def test_current_layout_and_init_take_the_same_device(monkeypatch):
     assert distributed.local_device() == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert distributed.local_device() == torch.device("cuda", 6)
+
+
+def test_one_gpu_per_task_rebinds_local_rank_for_deepspeed_and_keeps_the_nodes():
+    """DeepSpeed takes its device from LOCAL_RANK (checked below): under one GPU per task, LOCAL_RANK 6
+    becomes 0, the device's index; the launcher's 6 stays for the node's once-only work."""
+    env = {"LOCAL_RANK": "6"}
+    distributed.bind_local_rank(env, 0)
+    assert env == {"LOCAL_RANK": "0", distributed.NODE_LOCAL_RANK: "6"}
+    assert distributed.node_local_rank(env) == 6
+    distributed.bind_local_rank(env, 0)  # again (a second init): unchanged
+    assert distributed.node_local_rank(env) == 6 and env["LOCAL_RANK"] == "0"
+    same = {"LOCAL_RANK": "3"}  # every GPU visible: LOCAL_RANK already names the device
+    distributed.bind_local_rank(same, 3)
+    assert same == {"LOCAL_RANK": "3"} and distributed.node_local_rank(same) == 3
+    assert distributed.NODE_LOCAL_RANK in launcher.LAUNCHER_VARS  # a child world starts without it
+
+
+def test_deepspeed_takes_its_device_from_local_rank():
+    """Why ``bind_local_rank`` exists: if DeepSpeed stops reading LOCAL_RANK for its device, it may go."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    assert "self.local_rank" in inspect.getsource(DeepSpeedEngine._set_distributed_vars)
+    assert "self.local_rank = int(os.environ['LOCAL_RANK'])" in inspect.getsource(
+        DeepSpeedEngine._configure_with_arguments
+    )
+    assert 'os.environ["LOCAL_RANK"]' in inspect.getsource(Init.__init__)
