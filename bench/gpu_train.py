@@ -2,7 +2,7 @@
 the MFU of the 125M and 1.3B configs.
 
 Every run is ``python -m goat_dist train`` under torchrun with one process: a one-rank world on CUDA is
-``cpu:gloo,cuda:nccl`` (distributed.backend_for), so a collective that NCCL refuses fails here. The smoke
+NCCL only (distributed.backend_for), so a collective that NCCL refuses fails here. The smoke
 run trains the tiny config in bf16 for 20 steps with a checkpoint at 10, then resumes to 30 (the
 checkpoint loads on CUDA, the loss continues). The MFU runs take ``configs/models/goat_{125m,1.3b}.yaml``
 on the builtin corpus (its tokenizer trained at the config's vocabulary) for a few steps and report the

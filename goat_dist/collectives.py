@@ -1,13 +1,14 @@
 """Every collective of the product outside ``goat_dist/engine/``: each call puts its tensor where the group's
 backend can reduce it.
 
-On CUDA the world group is ``cpu:gloo,cuda:nccl`` (host control values travel on its gloo side) and every
-other group, megatron's TP, DP and CP groups among them, is NCCL only (``distributed.backend_for``). NCCL
-reduces only device tensors: a host tensor on such a group raises "No backend type associated with device
-type cpu". The functions here ask the group which device types it serves (``served_device_types``); a
-tensor on a device the group does not serve is copied to the accelerator for the collective and the result
-copied back into the caller's tensor, so callers keep host values where they want host values. A tensor
-already on a served device is passed through untouched (activations and gradients: no copy, no sync).
+On CUDA every group is NCCL only, the world's and megatron's TP, DP and CP groups among them
+(``distributed.backend_for``: no gloo mesh). NCCL reduces only device tensors: a host tensor on such a
+group raises "No backend type associated with device type cpu". The functions here ask the group which
+device types it serves (``served_device_types``); a tensor on a device the group does not serve is copied
+to the accelerator for the collective and the result copied back into the caller's tensor, so callers keep
+host values where they want host values (the few host-side collectives on the world group: checkpoint
+decisions, start records, log-step gathers). A tensor already on a served device is passed through
+untouched (activations and gradients: no copy, no sync).
 
 ``tests/unit/core/test_collectives_home.py`` walks the package's source and fails on a direct
 ``torch.distributed`` collective anywhere else (``goat_dist/engine/`` excepted: DeepSpeed's own tensors).
@@ -138,7 +139,7 @@ def barrier(group=None) -> None:
 
 
 # Object collectives pickle into byte tensors that torch places itself (on the current CUDA device for an
-# NCCL group); they are used on the world group only, whose gloo side serves them on a CUDA run.
+# NCCL group, such as the world's on a CUDA run).
 
 
 def all_gather_object(obj, group=None) -> list:

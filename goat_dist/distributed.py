@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
-import inspect
 import os
 import socket
 import sys
@@ -162,46 +160,21 @@ def check_rampup(
 
 
 def backend_for(cuda: bool) -> str:
-    """The world group's backend: gloo on CPU; on CUDA, NCCL for device tensors plus one gloo side.
+    """The world group's backend, which every group created after it inherits: gloo on CPU, NCCL on CUDA.
 
-    That gloo side is the run's only gloo mesh: the rare host-side collectives (checkpoint decisions,
-    start records, log-step gathers) pass CPU tensors to the world group, which NCCL cannot reduce. Every
-    group created after it is NCCL only (``_nccl_for_new_groups``): a mixed string would give each of
-    megatron's groups a gloo mesh too, ~3,000 groups at 512 ranks, and end large jobs at start with "Too
-    many open files". The per-step control vector travels as a device tensor (NCCL) on CUDA."""
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    No gloo side on CUDA: a gloo group connects every pair of its ranks when it is created, so a world
+    group with one (``cpu:gloo,cuda:nccl``) cost every rank world - 1 sockets at start (511 at 512 ranks,
+    ``bench/world_sockets.py``), for a few host-side collectives (checkpoint decisions, start records,
+    log-step gathers). Those go through ``goat_dist.collectives``, which copies a host tensor to the device
+    for a group that serves only CUDA and the result back (one copy each way, at saves, start and log
+    steps; torch does the same for object collectives on NCCL). An NCCL communicator connects a rank to a
+    few ring and tree peers, and only when the group is first used. The per-step control vector is a
+    device tensor already."""
+    return "nccl" if cuda else "gloo"
 
 
-GROUP_BACKEND_CUDA = "nccl"  # every group but the world's, on CUDA
 DEFAULT_TIMEOUT_MINUTES = 10.0  # parallel.timeout_minutes' default
 NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # <run_dir>/nccl_trace_rank_<rank>: NCCL's flight recorder dumps
-
-_original_new_group = None
-
-
-def _nccl_for_new_groups() -> None:
-    """On CUDA: a group created without a backend (megatron's parallel_state, DeepSpeed) gets NCCL
-    instead of inheriting the world's mixed backend and a gloo mesh of its own. Undone by ``teardown``."""
-    global _original_new_group
-    if _original_new_group is not None:
-        return
-    original = _original_new_group = dist.new_group
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def new_group(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        if bound.arguments.get("backend") is None:
-            bound.arguments["backend"] = GROUP_BACKEND_CUDA
-        return original(*bound.args, **bound.kwargs)
-
-    dist.new_group = new_group
-
-
-def _restore_new_group() -> None:
-    global _original_new_group
-    if _original_new_group is not None:
-        dist.new_group, _original_new_group = _original_new_group, None
 
 
 # What every launcher exports before the training processes start (``launch_environment``): slurm/train.sbatch
@@ -398,8 +371,6 @@ def init(
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it
             url = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend=backend, init_method=url, rank=0, world_size=1, timeout=timeout)
-    if cuda:
-        _nccl_for_new_groups()
     if cuda and dist.get_backend() != "fake":  # a simulated CUDA machine (tests) has no device to pick
         device = local_device()  # LOCAL_RANK's, or the task's only one (local_device_index)
         bind_local_rank(os.environ, device.index)  # DeepSpeed reads LOCAL_RANK for its device
@@ -512,7 +483,6 @@ def teardown(barrier: bool = True) -> None:
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
-            _restore_new_group()
 
 
 def exit_process(code: int = 0) -> None:

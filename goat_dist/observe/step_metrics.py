@@ -167,7 +167,7 @@ class StepMetrics:
         grow with the world unless ``log.memory_per_rank`` asks for every rank's memory."""
         lay = self.layout
         own = [param_sumsq_share(self.model, lay.tp, lay.dp, lay.dp_rank), *memory_bytes(lay.device)]
-        # host tensors: on CUDA the default group is cpu:gloo,cuda:nccl (distributed.backend_for)
+        # host tensors: on CUDA the world is NCCL only, and collectives copies them to the device and back
         gathered = collectives.all_gather(torch.tensor(own, dtype=torch.float64))
         rows = torch.stack(gathered)
         tflops = tokens_per_s * self.flops_per_token / lay.world / 1e12

@@ -6,8 +6,9 @@ down the group, the op, the dtype, the bytes, the device of the tensor and the g
 and returns at once. Nothing travels and no value changes, which is all a rehearsal on the meta device
 needs. torch's own ``fake`` backend does the same without the record.
 
-A CUDA run's groups are NCCL-only except the world's (``distributed.backend_for``): a host tensor on any
-other group is refused there. The recorder holds every group to that rule (``Collective.host_on_nccl``).
+A CUDA run's groups are all NCCL-only (``distributed.backend_for``): a host tensor is refused there unless
+it reaches the world group through ``goat_dist.collectives``, which copies it to the device (the few
+host-side values). The recorder holds every other group to that rule (``Collective.host_on_nccl``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ class Collective:
 
     @property
     def host_on_nccl(self) -> bool:
-        """A host tensor on a group that is NCCL-only on a CUDA run (every group but the world's)."""
+        """A host tensor on a group that is NCCL-only on a CUDA run, other than the world's. Every group is
+        NCCL-only there; on the world group host values are expected (checkpoint decisions, start records,
+        log-step gathers) and reach NCCL through ``goat_dist.collectives``, which copies them to the device
+        for a group that serves only CUDA (here every group also serves the CPU, so nothing is copied), or
+        through torch's object collectives, which place their bytes on the device themselves."""
         return self.device == "cpu" and self.group != "world"
 
     def signature(self) -> tuple:

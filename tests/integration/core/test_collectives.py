@@ -13,10 +13,11 @@ from goat_dist import distributed
 from goat_dist.trainer.control import FINGERPRINT_MOD, agree
 
 
-def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
-    """NCCL reduces only CUDA tensors; the rare host-side collectives pass CPU tensors to the world group.
-    A CUDA run's world group must serve both device types (checked here by faking CUDA; the GPU suite runs
-    it for real); every later group is NCCL only (tests/integration/core/test_process_groups.py)."""
+def test_cuda_run_creates_an_nccl_only_world(monkeypatch):
+    """A CUDA run's world group is NCCL only, no gloo side (a mesh of world - 1 sockets per rank): the
+    rare host-side collectives pass CPU tensors to ``collectives``, which copies them to the device for it
+    (checked here by faking CUDA; the GPU suite runs it for real); every later group inherits NCCL
+    (tests/integration/core/test_process_groups.py)."""
     seen = {}
 
     class Stop(Exception):
@@ -33,8 +34,7 @@ def test_cuda_run_creates_a_group_serving_cpu_and_cuda_tensors(monkeypatch):
     monkeypatch.setattr(distributed, "_configure_cuda", lambda tp, run_dir: None)  # NCCL's env, not here
     with pytest.raises(Stop):
         distributed.init(tp=1)
-    backends = dict(part.split(":") for part in seen["backend"].split(","))
-    assert backends == {"cpu": "gloo", "cuda": "nccl"}
+    assert seen["backend"] == "nccl"  # no gloo side: host values are copied to the device (collectives)
     assert distributed.backend_for(False) == "gloo"
 
 
