@@ -54,8 +54,11 @@ def log_tail(log: Path, rc: int) -> str | None:
 
 def smoke(out: Path, cache: str, precision: str) -> dict:
     run_dir = out / "smoke"
+    # 2 micro-batches a step (tiny.yaml's global batch of 8): bf16 sums them in fp32 through
+    # BF16_Optimizer over a process group of the rank alone (engine/patches.py), NCCL here
     common = [f"data.cache_dir={cache}", f"run.dir={run_dir}", f"train.precision={precision}",
-              "log.interval=1", "checkpoint.interval=10", "train.eval_interval=10"]  # fmt: skip
+              "log.interval=1", "checkpoint.interval=10", "train.eval_interval=10",
+              "train.micro_batch_size=4"]  # fmt: skip
     t0 = time.perf_counter()
     first = torchrun([*common, "train.max_steps=20"], out / "smoke_first.log", 600)
     second = torchrun([*common, "train.max_steps=30"], out / "smoke_resume.log", 600)
