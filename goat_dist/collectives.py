@@ -25,6 +25,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object_list",
@@ -132,6 +133,21 @@ def all_gather_into_tensor(out: torch.Tensor, tensor: torch.Tensor, group=None) 
 def reduce_scatter_tensor(out: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group and keep this rank's dim-0 slice in ``out``."""
     return _through(dist.reduce_scatter_tensor, out, tensor, group=group)
+
+
+def all_to_all_single(
+    out: torch.Tensor, tensor: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group=None
+) -> torch.Tensor:
+    """Send ``tensor``'s consecutive parts of ``in_sizes`` elements to the group's ranks in order, and
+    receive theirs into ``out`` (parts of ``out_sizes``): a checkpoint's exchange of a ZeRO-stage change."""
+    return _through(
+        dist.all_to_all_single,
+        out,
+        tensor,
+        group=group,
+        output_split_sizes=out_sizes,
+        input_split_sizes=in_sizes,
+    )
 
 
 def barrier(group=None) -> None:

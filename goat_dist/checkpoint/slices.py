@@ -17,8 +17,15 @@ local tensor, read piece by piece with no padding; on the layout that saved it, 
 own file. Across TP sizes (megatron's ``partition_dim`` d and ``partition_stride`` s): along d the full
 tensor is s blocks; block b is the concatenation over TP ranks of each rank's b-th chunk. A rank's local
 tensor along d is, for every block, its own chunk. So a local index along d names (block, offset in
-block), the offset names the saved rank and its local index: contiguous runs of those are read as whole
-rows of the saved tensors.
+block), the offset names the saved rank and its local index. A flat range of the local tensor is read as
+(at most) a partial first row, whole rows and a partial last row, and each of those rectangles as exactly
+its part of every saved rank: along dim 0, rows of the saved tensors; along dim 1 (the row-parallel
+weights), the same rows' column ranges, one read per row, whose checksum blocks the writer aligned to
+those columns (``universal.checksum_blocks``), so a TP increase reads its share and no whole rows.
+
+A ZeRO-stage change reads by file instead (``Exchange``): a ZeRO-3 rank's share lies in pieces of
+nearly every file a ZeRO-1/2 world wrote and the other way round, so each rank reads the files of its
+place in the saved world and an all-to-all brings every element to its owner.
 
 Checks: every file is opened once (``tensor_file.TensorFile``, kept for all its ranges until ``close``),
 its size and header against the manifest, and each range against the block checksums stored in the file;
@@ -125,6 +132,21 @@ class UniversalReader:
         other = copy.copy(self)
         other.tp, other.tp_rank = tp, tp_rank
         return other
+
+    def can_exchange(self) -> bool:
+        """Whether this checkpoint can be read by file on this TP size (``Exchange``): the index's grid of
+        files, and the TP size that saved it."""
+        return self.format == 2 and self.grid is not None and self.saved_tp == self.tp
+
+    def files_for(self, owned) -> int:
+        """How many files a direct read of ``owned`` ((parameter, start, numel) ranges) opens (none is)."""
+        paths: set[str] = set()
+        for name, start, numel in owned:
+            same = self._same_rank(name)
+            if same is None or numel <= 0:  # a TP change: found as read (not counted)
+                continue
+            paths.update(path for path, _, _ in self._pieces(name, same, start, start + numel))
+        return len(paths)
 
     # ---- pieces ---------------------------------------------------------------------------------------
     def _pieces(self, name: str, rank: int, lo: int, hi: int):
@@ -264,41 +286,94 @@ class UniversalReader:
                 lo = end
         return runs
 
+    def _saved_rect(self, rank: int, name: str, key: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)``, columns ``[c0, c1)`` of saved TP rank ``rank``'s local tensor seen as
+        ``[rows, row]`` (``row``: the product of its other dims): whole rows as one range, else one range
+        per row (strided reads; the checksum blocks of row-parallel tensors are aligned to those
+        columns: ``universal.checksum_blocks``)."""
+        shape = self.saved_shape(name, key)
+        row = math.prod(shape[1:])
+        if c0 == 0 and c1 == row:
+            return self._saved_flat(rank, name, key, r0 * row, r1 * row).reshape(r1 - r0, row)
+        out = None
+        for r in range(r0, r1):
+            part = self._saved_flat(rank, name, key, r * row + c0, r * row + c1)
+            if out is None:
+                out = torch.empty(r1 - r0, c1 - c0, dtype=part.dtype)
+            out[r - r0] = part
+            del part
+        return out if out is not None else torch.empty(0, c1 - c0)
+
+    def _region(self, name: str, key: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)``, columns ``[c0, c1)`` of this rank's local tensor seen as ``[rows, row]``, on
+        a TP change of a split parameter: each saved rank's part of exactly that rectangle is read (a split
+        along dim 1 makes the saved ranks' parts column ranges of the same rows) and copied into place."""
+        d = self.split_of(name)["dim"]
+        shape = self.local_shape(name)
+        inner = math.prod(shape[d + 1 :])  # elements per index along the split dim, inside a row
+        if d > 1:  # not a megatron layout: whole saved rows, cut here
+            return self._region_by_rows(name, key, r0, r1, c0, c1)
+        out = None
+        cursor = 0
+        for rank, a, z in self._runs(name, shape[d]):
+            run_lo, run_hi = cursor, cursor + z - a  # where this run sits in the local tensor along d
+            cursor = run_hi
+            if d == 0:  # rows of the saved rank, the same columns
+                lo, hi = max(r0, run_lo), min(r1, run_hi)
+                if lo >= hi:
+                    continue
+                block = self._saved_rect(rank, name, key, a + lo - run_lo, a + hi - run_lo, c0, c1)
+                target = (slice(lo - r0, hi - r0), slice(None))
+            else:  # columns of the saved rank (of every row)
+                lo, hi = max(c0, run_lo * inner), min(c1, run_hi * inner)
+                if lo >= hi:
+                    continue
+                shift = a * inner - run_lo * inner
+                block = self._saved_rect(rank, name, key, r0, r1, lo + shift, hi + shift)
+                target = (slice(None), slice(lo - c0, hi - c0))
+            if out is None:
+                out = torch.empty(r1 - r0, c1 - c0, dtype=block.dtype)
+            out[target] = block
+            del block
+        return out if out is not None else torch.empty(r1 - r0, c1 - c0)
+
+    def _region_by_rows(self, name: str, key: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """``_region`` for a split along a dim past 1: whole rows of each saved rank, cut here."""
+        d = self.split_of(name)["dim"]
+        shape = self.local_shape(name)
+        shape[0] = r1 - r0
+        out, cursor = None, 0
+        for rank, a, z in self._runs(name, self.local_shape(name)[d]):
+            run_lo, run_hi = cursor, cursor + z - a
+            cursor = run_hi
+            index = [slice(None)] * (d + 1)
+            index[0], index[d] = slice(r0, r1), slice(a, z)
+            block = self._block(rank, name, key, tuple(index))
+            if out is None:
+                out = torch.empty(shape, dtype=block.dtype)
+            out.narrow(d, run_lo, run_hi - run_lo).copy_(block)
+            del block
+        if out is None:
+            out = torch.empty(shape)
+        return out.reshape(r1 - r0, -1)[:, c0:c1]
+
     def read_rows(self, name: str, key: str, row0: int, row1: int) -> torch.Tensor:
         """Rows ``[row0, row1)`` (dim 0) of this rank's local tensor; a 0-d tensor whole. Across TP sizes
-        each saved rank's part is read as whole rows and copied into place (no second copy of the rows)."""
+        each saved rank's part is read as exactly its rows or columns and copied into place (``_region``)."""
         if len(self.saved_shape(name)) == 0:
             return self._block(0, name, key, ...)
         same = self._same_rank(name)
         if same is not None:
             return self._block(same, name, key, (slice(row0, row1),))
-        d = self.split_of(name)["dim"]
         shape = self.local_shape(name)
+        row = math.prod(shape[1:])
         shape[0] = row1 - row0
-        out, cursor = None, 0
-        for rank, a, z in self._runs(name, self.local_shape(name)[d]):
-            run_lo, run_hi = cursor, cursor + z - a  # where this run sits in the local tensor along d
-            cursor = run_hi
-            index = [slice(None)] * (d + 1)
-            if d == 0:  # only the part of the run inside [row0, row1)
-                lo, hi = max(row0, run_lo), min(row1, run_hi)
-                if lo >= hi:
-                    continue
-                index[0] = slice(a + lo - run_lo, a + hi - run_lo)
-                at, size = lo - row0, hi - lo
-            else:
-                index[0] = slice(row0, row1)
-                index[d] = slice(a, z)
-                at, size = run_lo, run_hi - run_lo
-            block = self._block(rank, name, key, tuple(index))
-            if out is None:
-                out = torch.empty(shape, dtype=block.dtype)
-            out.narrow(d, at, size).copy_(block)
-            del block
-        return out if out is not None else torch.empty(shape)
+        return self._region(name, key, row0, row1, 0, row).reshape(shape)
 
     def read_flat(self, name: str, key: str, start: int, numel: int) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of this rank's local tensor, flattened, as fp32."""
+        """Elements ``[start, start + numel)`` of this rank's local tensor, flattened, as fp32. Across TP
+        sizes: the range as (at most) a partial first row, whole rows and a partial last row, each read
+        as exactly its part of every saved rank (``_region``)."""
         shape = self.local_shape(name)
         if numel <= 0:
             return torch.empty(0)
@@ -306,10 +381,24 @@ class UniversalReader:
         if same is not None or not shape:  # the same flat layout: exactly the range, from its pieces
             return self._saved_flat(same or 0, name, key, start, start + numel).float()
         row = math.prod(shape[1:])
-        row0, row1 = start // row, -(-(start + numel) // row)
-        rows = self.read_rows(name, key, row0, row1).reshape(-1)
-        offset = start - row0 * row
-        return rows[offset : offset + numel].float()
+        end = start + numel
+        first, last = start // row, (end - 1) // row
+        if first == last:
+            rects = [(first, first + 1, start - first * row, end - first * row)]
+        else:
+            head, tail = start - first * row, end - last * row  # where the range starts and ends in a row
+            rects = [(first, first + 1, head, row)] if head else []
+            rects.append((first + (head > 0), last + (tail == row), 0, row))
+            rects += [(last, last + 1, 0, tail)] if tail < row else []
+        out = torch.empty(numel)
+        at = 0
+        for r0, r1, c0, c1 in rects:
+            if r1 > r0 and c1 > c0:
+                part = self._region(name, key, r0, r1, c0, c1).reshape(-1)
+                out[at : at + part.numel()] = part
+                at += part.numel()
+                del part
+        return out
 
     def read_local(self, name: str, key: str = "") -> torch.Tensor:
         """This rank's whole local tensor (its TP slice in the new layout)."""
@@ -317,6 +406,170 @@ class UniversalReader:
         if not shape:
             return self.read_rows(name, key, 0, 1).float()
         return self.read_rows(name, key, 0, shape[0]).reshape(shape).float()
+
+
+class Exchange:
+    """One rank's part in a resume that reads the saved files by file and hands each element to the rank
+    that holds it: the way a ZeRO-stage change reads only its share of files.
+
+    Why: ZeRO-3 holds 1/R of every parameter on each of R ranks, ZeRO-1/2 a contiguous 1/R of the flat
+    optimizer groups (a few whole parameters). Either's share lies in pieces of (nearly) every file the
+    other wrote: read directly, a ZeRO-3 rank resuming a ZeRO-1 save opens a file per parameter it finds
+    the start of its 1/R in (hundreds at 512 ranks), and a ZeRO-1 rank resuming a ZeRO-3 save every file.
+    Instead the R_new replicas of a TP rank read the R_saved files of the same TP rank by file: with
+    R_new <= R_saved each reads whole files (replica j: files ``[j * R_saved // R_new, (j + 1) * R_saved
+    // R_new)``), else each file is split over its ``R_new / R_saved`` readers as even ranges of its
+    elements; an all-to-all then brings each element to its owner. A rank opens
+    ``ceil(R_saved / R_new)`` files or one, and reads its share of bytes (every block read is checked
+    by the rank that reads it, as in a direct read).
+
+    A file's elements are its pieces for the TP rank in the index's order (parameters, then start): its
+    *stream*. Requests and data travel in stream coordinates: ``requests`` says which ranges of which
+    file each reader is asked for (and where each lands), ``read`` reads this rank's ranges of one key,
+    ``serve`` cuts the answer to every asker, ``place`` copies what arrived into the owned ranges. No
+    collective here: ``universal.load`` moves the lists (one process plays every rank in
+    ``tests/workers/share_reads.py``)."""
+
+    def __init__(self, reader: UniversalReader, replica: int, replicas: int):
+        if not reader.can_exchange():
+            raise CheckpointError(f"{reader.where}its files cannot be read by file (no grid of files)")
+        self.reader, self.replica, self.replicas = reader, replica, replicas
+        self.files = reader.grid[reader.tp_rank]  # saved replica -> index of its file
+        self.count = len(self.files)
+        self._tables: dict[int, list] = {}
+        self._listed: dict[int, dict[str, list[tuple[int, int]]]] | None = None
+
+    # ---- what each saved file holds ---------------------------------------------------------------------
+    def table(self, i: int) -> list[tuple[str, int, int, int]]:
+        """(parameter, start, numel, offset in the stream) of saved replica ``i``'s file, in stream order
+        (kept for the files this rank reads)."""
+        found = self._tables.get(i)
+        if found is None:
+            found = self._tables[i] = list(self._stream(i))
+        return found
+
+    def _stream(self, i: int, last: str | None = None):
+        """``table(i)``'s rows, up to parameter ``last`` (None: all), without keeping them."""
+        reader, offset = self.reader, 0
+        for name, rule in reader.meta["pieces"].items():
+            n = math.prod(reader.shapes[name])
+            if isinstance(rule, dict):
+                if "even" in rule:
+                    size = int(rule["even"])
+                    a, z = min(n, i * size), min(n, (i + 1) * size)
+                else:
+                    a, z = n * i // self.count, n * (i + 1) // self.count
+                spans = [(a, z - a)] if z > a else []
+            else:
+                spans = self._listed_pieces().get(self.files[i], {}).get(name, [])
+            for start, numel in spans:
+                yield name, start, numel, offset
+                offset += numel
+            if name == last:
+                return
+
+    def _listed_pieces(self) -> dict[int, dict[str, list[tuple[int, int]]]]:
+        """{file: {parameter: [(start, numel)]}} of this TP rank's listed pieces (ZeRO-1/2's lists)."""
+        if self._listed is None:
+            self._listed = {}
+            for name, rule in self.reader.meta["pieces"].items():
+                if isinstance(rule, list):
+                    for r, start, numel, f in sorted((int(a), int(b), int(c), int(d)) for a, b, c, d in rule):
+                        if r == self.reader.tp_rank and numel > 0:
+                            self._listed.setdefault(f, {}).setdefault(name, []).append((start, numel))
+        return self._listed
+
+    def _length(self, i: int) -> int:
+        table = self.table(i)
+        return table[-1][2] + table[-1][3] if table else 0
+
+    # ---- who reads what ---------------------------------------------------------------------------------
+    def readers(self, i: int) -> list[tuple[int, int, int]]:
+        """(stream start, end, replica) of the readers of saved replica ``i``'s file."""
+        if self.replicas <= self.count:
+            return [(0, 1 << 62, ((i + 1) * self.replicas - 1) // self.count)]  # the whole file
+        first = (i * self.replicas + self.count - 1) // self.count
+        last = ((i + 1) * self.replicas + self.count - 1) // self.count
+        n, m = self._length(i), last - first
+        return [(n * k // m, n * (k + 1) // m, first + k) for k in range(m)]
+
+    def assignment(self, replica: int | None = None) -> list[tuple[int, int, int]]:
+        """(saved replica, stream start, end) that ``replica`` (this rank's) reads."""
+        j = self.replica if replica is None else replica
+        if self.replicas <= self.count:
+            lo, hi = j * self.count // self.replicas, (j + 1) * self.count // self.replicas
+            return [(i, 0, self._length(i)) for i in range(lo, hi)]
+        i = j * self.count // self.replicas
+        return [(i, a, z) for a, z, k in self.readers(i) if k == j]
+
+    def requests(self, owned: list[tuple[str, int, int]]):
+        """For ``owned`` (parameter, start, numel) ranges: per replica, the (saved replica, stream start,
+        end) rows to ask it for, and where each lands: (index into ``owned``, offset in it, numel)."""
+        reader = self.reader
+        replica_of = {reader.paths[f]: i for i, f in enumerate(self.files) if f is not None}
+        order = {name: k for k, name in enumerate(reader.meta["pieces"])}
+        needed = {name for name, _, _ in owned}
+        last = max(needed, key=order.__getitem__, default=None)
+        offsets: dict[int, dict[tuple[str, int], int]] = {}
+        asks: list[list] = [[] for _ in range(self.replicas)]
+        lands: list[list] = [[] for _ in range(self.replicas)]
+        for k, (name, start, numel) in enumerate(owned):
+            end = start + numel
+            for path, pstart, pnumel in reader._pieces(name, reader.tp_rank, start, end):
+                lo, hi = max(start, pstart), min(end, pstart + pnumel)
+                if lo >= hi:
+                    continue
+                i = replica_of[path]
+                if i not in offsets:
+                    rows = self._tables.get(i) or self._stream(i, last)
+                    offsets[i] = {(n, s): o for n, s, _, o in rows if n in needed}
+                base = offsets[i][(name, pstart)] - pstart  # stream position of element e: base + e
+                for a, z, j in self.readers(i):
+                    s_lo, s_hi = max(a, base + lo), min(z, base + hi)
+                    if s_lo < s_hi:
+                        asks[j].append((i, s_lo, s_hi))
+                        lands[j].append((k, s_lo - base - start, s_hi - s_lo))
+        return asks, lands
+
+    # ---- reading and routing ----------------------------------------------------------------------------
+    def read(self, key: str) -> dict[int, tuple[int, torch.Tensor]]:
+        """{saved replica: (stream start, its elements)} of this rank's ranges of ``key``, each piece
+        read (and checked) from its file."""
+        held = {}
+        for i, a, z in self.assignment():
+            buf = torch.empty(z - a)
+            path = self.reader.paths[self.files[i]]
+            for name, _, numel, offset in self.table(i):
+                lo, hi = max(a, offset), min(z, offset + numel)
+                if lo < hi:
+                    data = self.reader._file(path).read(tensor_key(name, key), lo - offset, hi - offset)
+                    buf[lo - a : hi - a] = data
+                    del data
+            held[i] = (a, buf)
+        return held
+
+    @staticmethod
+    def serve(held: dict[int, tuple[int, torch.Tensor]], asked: list) -> list[torch.Tensor]:
+        """Per replica, the elements it asked for (``asked[j]``: rows of saved replica, start, end), in
+        the order asked."""
+        out = []
+        for rows in asked:
+            parts = []
+            for i, lo, hi in rows:
+                base, buf = held[int(i)]
+                parts.append(buf[int(lo) - base : int(hi) - base])
+            out.append(torch.cat(parts) if parts else torch.empty(0))
+        return out
+
+    @staticmethod
+    def place(received: list[torch.Tensor], lands: list, dests: list[torch.Tensor]) -> None:
+        """Copy what each replica sent (in the order asked) into ``dests`` (one 1-D tensor per owned
+        range)."""
+        for data, rows in zip(received, lands):
+            at = 0
+            for k, offset, numel in rows:
+                dests[k][offset : offset + numel].copy_(data[at : at + numel])
+                at += numel
 
 
 def _room_for(open_files: int) -> None:

@@ -11,7 +11,17 @@ Checksums (``write(..., checksums=True)``, the universal state's files): every t
 ``BLOCKS_MAX`` blocks of at least ``BLOCK_MIN`` elements and each block's CRC-32 is stored in the file, as
 its last tensor (``__crc32__``). A reader that needs a part of a file (another layout's range of it) reads
 the blocks around that part and checks them, without reading the rest of the file: the whole-file sha256
-of the manifest could only be checked by reading all of it. CRC-32 finds the damage storage does (torn or
+of the manifest could only be checked by reading all of it.
+
+Aligned blocks (``Entry.block``): a tensor that another layout reads as column ranges of its rows (a
+row-parallel weight's piece, read at a larger TP: ``slices.py``) is cut instead into blocks of ``block``
+elements aligned to the rows it was cut from: block boundaries fall where ``phase + i`` is a multiple of
+``block`` (``phase``: where the piece starts in its rows, modulo ``block``). With ``block`` a fraction of
+the row, each column range such a reader takes is whole blocks, read and checked exactly. Such a file
+lists its aligned tensors in its metadata (``crc32_aligned``: [k, block, phase], k the tensor's place in
+the data, first = 0) instead of the plain rule (``crc32_blocks``):
+a reader of an earlier release finds no rule it knows, takes the file for one without checksums and checks
+it whole against the manifest's sha256. CRC-32 finds the damage storage does (torn or
 truncated writes, flipped bits) as a hash would; it is not a defence against someone rewriting the file
 (neither is the sha256: the manifest is not signed).
 
@@ -60,6 +70,7 @@ CHECKSUMS = "__crc32__"  # the name of the checksum tensor
 BLOCK_MIN = 256  # elements: a block is at least this long ...
 BLOCKS_MAX = 64  # ... and a tensor has at most this many (a partial read overreads < 2 / 64 of a tensor)
 _RULE_KEY = "crc32_blocks"  # metadata: "BLOCK_MIN:BLOCKS_MAX" as written
+_ALIGNED_KEY = "crc32_aligned"  # metadata, instead: {"rule": ..., "tensors": [[k, block, phase]]}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
@@ -71,6 +82,8 @@ class Entry:
     dtype: torch.dtype
     shape: Sequence[int]
     fetch: Callable[[], torch.Tensor]
+    block: int = 0  # elements per checksum block, aligned (module docstring); 0: the plain rule
+    phase: int = 0  # with ``block``: block boundaries where ``phase + i`` is a multiple of ``block``
 
     @property
     def nbytes(self) -> int:
@@ -91,15 +104,37 @@ def block_size(numel: int, block_min: int = BLOCK_MIN, blocks_max: int = BLOCKS_
     return max(block_min, -(-numel // blocks_max))
 
 
-def _blocks(numel: int, block_min: int, blocks_max: int) -> int:
-    return -(-numel // block_size(numel, block_min, blocks_max)) if numel else 0
+def _blocks(numel: int, block: int, phase: int = 0) -> int:
+    """How many checksum blocks a tensor of ``numel`` elements has (blocks of ``block``, ``phase``)."""
+    return (numel - 1 + phase) // block + 1 if numel else 0
+
+
+def _geometry(e: Entry) -> tuple[int, int]:
+    """(block, phase) of entry ``e``'s checksum blocks."""
+    if e.block:
+        if not 0 <= e.phase < e.block:
+            raise ValueError(f"{e.name}: checksum phase {e.phase} outside [0, {e.block})")
+        return e.block, e.phase
+    return block_size(math.prod(e.shape)), 0
+
+
+def block_span(numel: int, block: int, phase: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """(first block, its first element, the element after the last block) of the blocks around the
+    elements ``[lo, hi)`` (``hi > lo``) of a tensor of ``numel`` elements."""
+    first, last = (lo + phase) // block, (hi - 1 + phase) // block
+    return first, max(0, first * block - phase), min(numel, (last + 1) * block - phase)
 
 
 def with_checksums(entries: list[Entry], metadata: dict[str, str] | None) -> tuple[list[Entry], dict]:
     """``entries`` plus the checksum tensor, and ``metadata`` plus the block rule a reader needs."""
-    count = sum(_blocks(math.prod(e.shape), BLOCK_MIN, BLOCKS_MAX) for e in entries)
+    count = sum(_blocks(math.prod(e.shape), *_geometry(e)) for e in entries)
     table = Checksums(CHECKSUMS, torch.uint8, [count, 4], fetch=lambda: torch.empty(0))
-    return [*entries, table], {**(metadata or {}), _RULE_KEY: f"{BLOCK_MIN}:{BLOCKS_MAX}"}
+    rule = f"{BLOCK_MIN}:{BLOCKS_MAX}"
+    aligned = [[k, e.block, e.phase] for k, e in enumerate(entries) if e.block]
+    if aligned:
+        text = json.dumps({"rule": rule, "tensors": aligned}, separators=(",", ":"))
+        return [*entries, table], {**(metadata or {}), _ALIGNED_KEY: text}
+    return [*entries, table], {**(metadata or {}), _RULE_KEY: rule}
 
 
 def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
@@ -162,8 +197,10 @@ def _write(path: Path, head: bytes, entries: list[Entry]) -> dict:
             digest.update(data)
             size += len(data)
             if table is not None:
-                step = block_size(value.numel(), table.block_min, table.blocks_max) * value.element_size()
-                table.sums.extend(zlib.crc32(data[i : i + step]) for i in range(0, len(data), step))
+                block, phase = _geometry(e)
+                step, first = block * value.element_size(), (block - phase) * value.element_size()
+                cuts = [0, *range(first, len(data), step), len(data)]
+                table.sums.extend(zlib.crc32(data[a:z]) for a, z in zip(cuts, cuts[1:]) if z > a)
             del value, data
         f.flush()
         os.fsync(f.fileno())
@@ -248,6 +285,7 @@ class TensorFile:
         data_start, data_bytes = 8 + length, self.size - 8 - length
         self._slot: dict[str, int] = {}
         self._begin, self._numel, self._first = array("q"), array("q"), array("q")
+        self._block, self._phase = array("q"), array("q")  # each tensor's checksum blocks
         self._dtype = bytearray()
         self._shapes: dict[str, tuple[int, ...]] = {}  # of the tensors that are not 1-D
         spans = []
@@ -270,6 +308,8 @@ class TensorFile:
             self._begin.append(data_start + lo)
             self._numel.append(numel)
             self._first.append(0)
+            self._block.append(0)
+            self._phase.append(0)
             self._dtype.append(code)
             if len(shape) != 1:
                 self._shapes[name] = shape
@@ -284,19 +324,26 @@ class TensorFile:
         self.checksums = self._checksum_rule()
 
     def _checksum_rule(self) -> tuple[int, int] | None:
-        rule = self.metadata.get(_RULE_KEY)
-        if rule is None or CHECKSUMS not in self._slot:
+        rule, aligned = self.metadata.get(_RULE_KEY), {}
+        if CHECKSUMS not in self._slot or (rule is None and _ALIGNED_KEY not in self.metadata):
             return None
         try:
+            if rule is None:
+                layout = json.loads(self.metadata[_ALIGNED_KEY])
+                rule = layout["rule"]
+                aligned = {int(k): (int(b), int(p)) for k, b, p in layout["tensors"]}
             block_min, blocks_max = (int(x) for x in rule.split(":"))
-        except ValueError:
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise self.error(f"has a corrupt header (checksum rule {rule!r})") from None
         table = self._slot[CHECKSUMS]
         first = 0
-        for i in sorted(range(len(self._begin)), key=self._begin.__getitem__):
+        for k, i in enumerate(sorted(range(len(self._begin)), key=self._begin.__getitem__)):
             if i != table:
-                self._first[i] = first
-                first += _blocks(self._numel[i], block_min, blocks_max)
+                block, phase = aligned.get(k, (block_size(self._numel[i], block_min, blocks_max), 0))
+                if not 0 <= phase < block:
+                    raise self.error(f"has a corrupt header (checksum blocks of tensor {k})")
+                self._first[i], self._block[i], self._phase[i] = first, block, phase
+                first += _blocks(self._numel[i], block, phase)
         if self._shapes.get(CHECKSUMS) != (first, 4):
             raise self.error(f"has a corrupt header (checksum table {self.shape(CHECKSUMS)}, {first} blocks)")
         return block_min, blocks_max
@@ -352,28 +399,31 @@ class TensorFile:
         if not 0 <= lo <= hi <= numel:
             raise self.error(f"has no elements [{lo}, {hi}) of {name!r} (it has {numel})")
         size = dtype.itemsize
-        a, z, block = lo, hi, 0
+        a, z, first = lo, hi, -1
         if self.checksums is not None and hi > lo:
-            block = block_size(numel, *self.checksums)
-            a, z = lo // block * block, min(numel, -(-hi // block) * block)
+            first, a, z = block_span(numel, self._block[i], self._phase[i], lo, hi)
         buf = torch.empty((z - a) * size, dtype=torch.uint8)
         if z > a:
             self._pread(self._begin[i] + a * size, (z - a) * size, into=buf)
-        if block:
-            self._check_blocks(name, self._first[i] + a // block, a // block, buf, block * size, size)
+        if first >= 0:
+            self._check_blocks(name, i, first, a, buf, size)
         return buf.view(dtype)[lo - a : hi - a]
 
-    def _check_blocks(self, name: str, row: int, first: int, buf: torch.Tensor, step: int, size: int) -> None:
-        """``buf`` (blocks ``first``.. of ``name``, ``row``.. of the table) against the stored CRC-32s."""
-        count = -(-buf.numel() // step)
-        raw = self._pread(self._begin[self._slot[CHECKSUMS]] + 4 * row, 4 * count)
+    def _check_blocks(self, name: str, i: int, first: int, a: int, buf: torch.Tensor, size: int) -> None:
+        """``buf`` (tensor ``i``'s elements from ``a``, the start of its block ``first``, to the end of a
+        block) against the stored CRC-32s."""
+        block, phase = self._block[i], self._phase[i]
+        z = a + buf.numel() // size
+        cuts = [a, *range((first + 1) * block - phase, z, block), z]
+        table = self._begin[self._slot[CHECKSUMS]]
+        raw = self._pread(table + 4 * (self._first[i] + first), 4 * (len(cuts) - 1))
         expected = np.frombuffer(raw, dtype="<u4")
         data = memoryview(buf.numpy())
-        for k in range(count):
-            if zlib.crc32(data[k * step : (k + 1) * step]) != int(expected[k]):
+        for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            if zlib.crc32(data[(lo - a) * size : (hi - a) * size]) != int(expected[k]):
                 raise self.error(
-                    f"does not match its checksums: block {first + k} of {name!r} (elements from "
-                    f"{(first + k) * step // size}) is corrupt"
+                    f"does not match its checksums: block {first + k} of {name!r} (elements from {lo}) is "
+                    "corrupt"
                 )
 
     def read_whole(self, name: str) -> torch.Tensor:

@@ -1,17 +1,20 @@
-"""One process playing every rank of a large ZeRO-3 world in turn: what a resume reads, rank by rank.
+"""One process playing every rank of a large world in turn: what a resume reads, rank by rank.
 
-A real model's inventory (its parameters' shapes and TP splits, ``inventory``) is cut as ZeRO-3 cuts it
-over DP ranks (equal partitions of each flattened parameter, the last short or empty). Every rank's file
-is written by the real writer (``universal.write_share``: checksummed; each value computed from its
-position, so any range read back can be checked), rank 0's index by ``universal.write_index``, the
-manifest with the digests a save records, plus each rank's RNG file and the run state. Then, for every
-rank of a DP (the saved one or another), the real read path runs:
-``manager.read_run_files`` (manifest, run state, and the RNG file on the same layout) and
-``UniversalReader`` + ``universal.read_into`` for the rank's ZeRO-3 ranges of the fp32 value and both
-Adam moments. Counted per rank (``IoCount``): files opened (Python's audit hook sees every open, and
-``safetensors``' own opener is taken away), paths and descriptors stat'ed, bytes read
+A real model's inventory (its parameters' shapes and TP splits, ``inventory``) is cut as a TP x DP world
+cuts it: each TP rank's slice (``local_params``), then ZeRO-3's equal partitions of each flattened
+parameter (the last short or empty) or ZeRO-1/2's equal partitions of the flattened parameters
+(``ranges``). Every rank's file is written by the real writer (``universal.write_share``: checksummed;
+each value computed from its position in the whole tensor, so any range read back at any TP can be
+checked), rank 0's index by ``universal.write_index``, the manifest with the digests a save records, plus
+each rank's RNG file and the run state. Then, for every rank of a layout (the saved one or another), the
+real read path runs: ``manager.read_run_files`` (manifest, run state, and the RNG file on the same layout)
+and ``UniversalReader`` + ``universal.read_into`` for the rank's ranges of the fp32 value and both Adam
+moments (``read_rank``), or the reads by file of a ZeRO-stage change with the all-to-all played here
+(``read_world_by_file``). Counted per rank (``IoCount``): files opened (Python's audit hook sees every
+open, and ``safetensors``' own opener is taken away), paths and descriptors stat'ed, bytes read
 (``/proc/self/io`` ``rchar``: every byte any read call returned) and the peak RSS above the RSS before
-(the destination tensors are allocated first, as an engine's are).
+(the destination tensors are allocated first, as an engine's are). ``plan_world`` / ``plan_rank`` do the
+same for the 30B config at 512 ranks over stand-in files (``PlannedFile``).
 
     python tests/workers/share_reads.py OUT.json DP_SAVED DP_READ [DP_READ ...]
 """
@@ -35,10 +38,10 @@ from goat_dist.checkpoint.manager import read_run_files, write_manifest
 from goat_dist.checkpoint.slices import UniversalReader
 from goat_dist.engine.masters import KEYS, Owned
 
-MODEL = [  # a real small model: 92 parameters, 19.8M elements (238 MB of fp32 value + moments)
+MODEL = [  # a real small model: 92 parameters, 16.5M elements (198 MB of fp32 value + moments); 8 heads: TP 8
     "model.num_layers=6",
     "model.hidden_size=384",
-    "model.num_heads=6",
+    "model.num_heads=8",
     "model.vocab_size=16384",
     "model.seq_len=64",
     "model.position=goat",
@@ -70,37 +73,102 @@ def zero3_ranges(params: dict, dp: int, rank: int) -> list[tuple[str, int, int]]
     return out
 
 
+def zero1_ranges(params: dict, dp: int, rank: int) -> list[tuple[str, int, int]]:
+    """(name, start, numel) of the parameters' pieces in DP rank ``rank``'s ZeRO-1/2 partition: the
+    parameters flattened into one group in order, cut into ``dp`` equal partitions (the last short), as
+    DeepSpeed's flat groups cut them (without its alignment padding)."""
+    total = sum(math.prod(m["shape"]) for m in params.values())
+    size = -(-total // dp)
+    lo, hi = rank * size, min(total, (rank + 1) * size)
+    out, offset = [], 0
+    for name, m in params.items():
+        n = math.prod(m["shape"])
+        a, z = max(lo, offset), min(hi, offset + n)
+        if a < z:
+            out.append((name, a - offset, z - a))
+        offset += n
+    return out
+
+
+def ranges(params: dict, dp: int, rank: int, stage: int = 3) -> list[tuple[str, int, int]]:
+    """The pieces DP rank ``rank`` holds at ZeRO ``stage`` (3, or 1 for ZeRO-1/2)."""
+    return (zero3_ranges if stage == 3 else zero1_ranges)(params, dp, rank)
+
+
+def value_at(index: int, key: int, positions: torch.Tensor) -> torch.Tensor:
+    """The saved value of the elements at flat ``positions`` of the whole (TP=1) parameter ``index``'s
+    ``key``."""
+    return ((positions.double() % 65521) * 1e-4 + index + key / 4).float()
+
+
 def value(index: int, key: int, start: int, numel: int) -> torch.Tensor:
-    """The saved value of elements ``[start, start + numel)`` of parameter ``index``'s ``key``."""
-    return (
-        (torch.arange(start, start + numel, dtype=torch.float64) % 65521) * 1e-4 + index + key / 4
-    ).float()
+    """The saved value of elements ``[start, start + numel)`` of parameter ``index``'s ``key`` (TP=1)."""
+    return value_at(index, key, torch.arange(start, start + numel))
 
 
-def layout(dp: int) -> dict:
-    return {"world": dp, "tp": 1, "dp": dp, "zero_stage": 3, "precision": "fp32", "param_groups": ["decay"]}
+def local_params(params: dict, tp: int) -> dict:
+    """``params`` (at TP=1) as each rank of TP=``tp`` holds them: the split dim of a split one cut by tp."""
+    out = {}
+    for name, m in params.items():
+        shape = list(m["shape"])
+        if m["tp_split"] and tp > 1:
+            shape[m["dim"]] //= tp
+        out[name] = {**m, "shape": shape}
+    return out
 
 
-def write_world(step_dir: Path, params: dict, dp: int) -> None:
-    """The checkpoint a TP=1 x DP=``dp`` ZeRO-3 save writes (module docstring)."""
+_POSITIONS: dict = {}
+
+
+def positions(params: dict, tp: int, t: int, name: str) -> torch.Tensor:
+    """Where TP rank ``t`` of TP=``tp``'s local elements of ``name`` sit in the whole flattened tensor
+    (``universal.split`` of the positions; cached for every TP rank of the last TP size: ~8 bytes per
+    element of the model)."""
+    if tp not in _POSITIONS:
+        _POSITIONS.clear()
+        _POSITIONS[tp] = {}
+    cache = _POSITIONS[tp].setdefault(t, {})
+    if name not in cache:
+        m = params[name]
+        whole = torch.arange(math.prod(m["shape"])).reshape(m["shape"])
+        cache[name] = universal.split(whole, m, tp, t).reshape(-1).clone() if tp > 1 else whole.reshape(-1)
+    return cache[name]
+
+
+def layout(dp: int, tp: int = 1, stage: int = 3) -> dict:
+    return {"world": dp * tp, "tp": tp, "dp": dp, "zero_stage": stage, "precision": "fp32",
+            "param_groups": ["decay"]}  # fmt: skip
+
+
+def write_world(step_dir: Path, params: dict, dp: int, tp: int = 1, stage: int = 3) -> None:
+    """The checkpoint a TP=``tp`` x DP=``dp`` ZeRO-``stage`` save writes (module docstring); global rank
+    ``i * tp + t`` is TP rank t of replica i."""
     from goat_dist.checkpoint import rng
 
     udir = step_dir / "universal"
     udir.mkdir(parents=True)
     index = {name: i for i, name in enumerate(params)}
+    local = local_params(params, tp)
     gathered, known = [], {}
     rng_state = rng.capture()
-    for rank in range(dp):
-        ranges = zero3_ranges(params, dp, rank)
-        pieces = [(n, s, c, {k: (index[n], j, s, c) for j, k in enumerate(KEYS)}) for n, s, c in ranges]
+
+    def host(ref):
+        name, j, t, s, c = ref
+        return value_at(index[name], j, positions(params, tp, t, name)[s : s + c])
+
+    for rank in range(dp * tp):
+        t, i = rank % tp, rank // tp
+        held = ranges(local, dp, i, stage)
+        pieces = [(n, s, c, {k: (n, j, t, s, c) for j, k in enumerate(KEYS)}) for n, s, c in held]
         path = udir / universal.file_name(rank)
-        known[f"universal/{path.name}"] = universal.write_share(path, pieces, rank, STEP, lambda d: value(*d))
-        gathered.append({"file": path.name, "tp": 0, "replica": rank, "pieces": ranges})
+        known[f"universal/{path.name}"] = universal.write_share(path, pieces, rank, STEP, host, local)
+        gathered.append({"file": path.name, "tp": t, "replica": i, "pieces": held})
         with open(step_dir / f"rng_rank{rank}.pt", "wb") as f:
             torch.save(rng_state, f)
-    counters = {"step": STEP, "optimizer": "ZeRO-3 (simulated)", "adam_step": STEP, "lr_step": STEP}
-    universal.write_index(udir, params, gathered, 1, {**counters, "engine": {}})
-    state = {"step": STEP, **layout(dp), "run_state": {"consumed_samples": 0, "consumed_tokens": 0}}
+    counters = {"step": STEP, "optimizer": f"ZeRO-{stage} (simulated)", "adam_step": STEP, "lr_step": STEP}
+    universal.write_index(udir, local, gathered, tp, {**counters, "engine": {}})
+    run_state = {"consumed_samples": 0, "consumed_tokens": 0}
+    state = {"step": STEP, **layout(dp, tp, stage), "run_state": run_state}
     (step_dir / "trainer_state.json").write_text(json.dumps(state, indent=1))
     (step_dir / "config.yaml").write_text("model: {}\n")
     files = {name: digest(step_dir / name) for name in listing(step_dir) if name not in known}
@@ -186,35 +254,107 @@ class IoCount:
         os.open, os.stat, os.lstat, os.fstat = (self._real[k] for k in ("open", "stat", "lstat", "fstat"))
 
 
-def read_rank(step_dir: Path, params: dict, dp: int, rank: int) -> dict:
-    """One rank of a TP=1 x DP=``dp`` ZeRO-3 world resuming from ``step_dir``: its counts, its share
-    (12 bytes per element it holds) and whether every element arrived as saved."""
-    ranges = zero3_ranges(params, dp, rank)
-    owned = [
-        (name, Owned(start, numel, {k: torch.empty(numel) for k in KEYS})) for name, start, numel in ranges
+def _owned(params: dict, dp: int, rank: int, tp: int, stage: int) -> list:
+    return [
+        (name, Owned(start, numel, {k: torch.empty(numel) for k in KEYS}))
+        for name, start, numel in ranges(local_params(params, tp), dp, rank // tp, stage)
     ]
-    with IoCount(step_dir) as io:
-        manifest, state, rng_state = read_run_files(step_dir, rank, layout=layout(dp))
-        with UniversalReader(step_dir, 1, 0, manifest) as reader:
-            universal.read_into(reader, owned, KEYS)
+
+
+def _result(step_dir: Path, rank: int, owned: list, params: dict, tp: int, io, rng: bool) -> dict:
+    """What a rank read (``io``: an ``IoCount``), its share (12 bytes per element it holds), the headers of
+    the state files it opened (``header_bytes``: a fixed cost per file, which a tiny share feels) and
+    whether every element arrived as saved."""
     index = {name: i for i, name in enumerate(params)}
+    t = rank % tp
     exact = all(
-        torch.equal(o.dest[k], value(index[name], j, o.start, o.numel))
+        torch.equal(
+            o.dest[k], value_at(index[name], j, positions(params, tp, t, name)[o.start : o.start + o.numel])
+        )
         for name, o in owned
         for j, k in enumerate(KEYS)
     )
     state_files = sorted({p for p in io.opened if p.startswith("universal/rank")})
+    heads = 0
+    for name in state_files:
+        with open(step_dir / name, "rb") as f:
+            heads += 8 + int.from_bytes(f.read(8), "little")
     return {
         "rank": rank,
-        "share_bytes": 12 * sum(numel for _, _, numel in ranges),
+        "share_bytes": 12 * sum(o.numel for _, o in owned),
         "bytes": io.bytes,
+        "header_bytes": heads,
         "opened": io.opened,
         "state_files": state_files,
         "stats": sorted(set(io.stats)),
         "extra_rss": io.extra_rss,
-        "rng": rng_state is not None,
+        "rng": rng,
         "exact": exact,
     }
+
+
+def read_rank(step_dir: Path, params: dict, dp: int, rank: int, tp: int = 1, stage: int = 3) -> dict:
+    """One rank (``i * tp + t``: TP rank t of replica i) of a TP=``tp`` x DP=``dp`` ZeRO-``stage`` world
+    resuming from ``step_dir`` by direct reads (``universal.read_into``): its counts (``_result``)."""
+    owned = _owned(params, dp, rank, tp, stage)
+    with IoCount(step_dir) as io:
+        manifest, state, rng_state = read_run_files(step_dir, rank, layout=layout(dp, tp, stage))
+        with UniversalReader(step_dir, tp, rank % tp, manifest) as reader:
+            universal.read_into(reader, owned, KEYS)
+    return _result(step_dir, rank, owned, params, tp, io, rng_state is not None)
+
+
+class _Sums:
+    """``IoCount``s of one rank's several blocks, added up."""
+
+    def __init__(self):
+        self.bytes, self.opened, self.stats, self.extra_rss = 0, [], [], 0
+
+    def add(self, io: IoCount) -> None:
+        self.bytes += io.bytes
+        self.opened += io.opened
+        self.stats += io.stats
+        self.extra_rss = max(self.extra_rss, io.extra_rss)
+
+
+def read_world_by_file(step_dir: Path, params: dict, dp: int, stage: int, tp: int = 1) -> list[dict]:
+    """Every rank of a TP=``tp`` x DP=``dp`` ZeRO-``stage`` world resuming from ``step_dir`` by file
+    (``slices.Exchange``, what ``universal.exchange_into`` does with an all-to-all): each rank's
+    requests, then key by key each rank's reads (counted per rank, ``IoCount``), and the all-to-all played
+    here (rank j's answer to rank k is what k receives from j); per rank ``_result``'s figures."""
+    from goat_dist.checkpoint.slices import Exchange
+
+    world = dp * tp
+    owned = [_owned(params, dp, rank, tp, stage) for rank in range(world)]
+    sums = [_Sums() for _ in range(world)]
+    readers, plans = [], []
+    for rank in range(world):
+        with IoCount(step_dir) as io:
+            manifest, _, _ = read_run_files(step_dir, rank, layout=layout(dp, tp, stage))
+            reader = UniversalReader(step_dir, tp, rank % tp, manifest)
+            ex = Exchange(reader, rank // tp, dp)
+            plans.append((ex, *ex.requests([(name, o.start, o.numel) for name, o in owned[rank]])))
+        readers.append(reader)
+        sums[rank].add(io)
+    peers = [[t + j * tp for j in range(dp)] for t in range(tp)]  # the ranks of each TP rank's replicas
+    for key in KEYS:
+        served = {}
+        for rank in range(world):
+            ex, _, _ = plans[rank]
+            asked = [plans[peer][1][rank // tp] for peer in peers[rank % tp]]
+            with IoCount(step_dir) as io:
+                held = ex.read(key)
+            sums[rank].add(io)
+            served[rank] = ex.serve(held, asked)
+            del held
+        for rank in range(world):
+            ex, _, lands = plans[rank]
+            got = [served[peer][rank // tp] for peer in peers[rank % tp]]
+            ex.place(got, lands, [o.dest[key] for _, o in owned[rank]])
+        del served
+    for reader in readers:
+        reader.close()
+    return [_result(step_dir, rank, owned[rank], params, tp, sums[rank], False) for rank in range(world)]
 
 
 # ---- the 30B config on 512 ranks, without its 360 GB ---------------------------------------------------
@@ -240,19 +380,26 @@ class PlannedFile:
     def __init__(self, path, label, where, expect):
         from goat_dist.checkpoint import tensor_file
 
-        self.label, self.bytes = label, 0
+        self.label, self.bytes, self.reads = label, 0, 0
         self.numel = {k: n for k, n in expect["tensors"].items()}
-        entries = [tensor_file.Entry(k, torch.float32, [n], None) for k, n in self.numel.items()]
+        self.blocks = {k: tuple(expect.get("blocks", {}).get(k, (0, 0))) for k in self.numel}
+        entries = [
+            tensor_file.Entry(k, torch.float32, [n], None, *self.blocks[k]) for k, n in self.numel.items()
+        ]
         entries, meta = tensor_file.with_checksums(entries, {"format": "2", "rank": "0", "step": "0"})
         self.bytes += len(tensor_file.header(entries, meta))
         PlannedFile.opened.append(self)
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        from goat_dist.checkpoint.tensor_file import block_size
+        from goat_dist.checkpoint.tensor_file import block_size, block_span
 
-        block = block_size(self.numel[name])
-        a, z = lo // block * block, min(self.numel[name], -(-hi // block) * block)
-        self.bytes += 4 * (z - a) + 4 * (-(-(z - a) // block))  # the data and its checksums
+        block, phase = self.blocks[name]
+        if not block:
+            block = block_size(self.numel[name])
+        first, a, z = block_span(self.numel[name], block, phase, lo, hi)
+        last = (z - 1 + phase) // block
+        self.bytes += 4 * (z - a) + 4 * (last - first + 1)  # the data and its checksums
+        self.reads += 1
         return torch.zeros(()).expand(hi - lo)
 
     def close(self) -> None:
@@ -270,23 +417,27 @@ def full_list_bytes(params: dict, gathered: list, saved: dict) -> int:
     return len(json.dumps(meta, separators=(",", ":")))
 
 
-def plan_world(root: Path, params: dict, dp: int) -> tuple[dict, dict]:
-    """index.json of a TP=1 x DP=``dp`` ZeRO-3 save of ``params`` (written under ``root``, with the real
-    writer's ``index_record``) and a manifest naming each state file's tensors (with ``meta_json_bytes``,
-    the full list earlier releases wrote beside it)."""
+def plan_world(root: Path, params: dict, dp: int, tp: int = 1, stage: int = 3) -> tuple[dict, dict]:
+    """index.json of a TP=``tp`` x DP=``dp`` ZeRO-``stage`` save of ``params`` (written under ``root``,
+    with the real writer's ``index_record``) and a manifest naming each state file's tensors and their
+    checksum blocks (with ``meta_json_bytes``, the full list earlier releases wrote beside it)."""
+    local = local_params(params, tp)
     gathered = []
-    for rank in range(dp):
-        gathered.append({"file": universal.file_name(rank), "tp": 0, "replica": rank,
-                         "pieces": zero3_ranges(params, dp, rank)})  # fmt: skip
+    for rank in range(dp * tp):
+        gathered.append({"file": universal.file_name(rank), "tp": rank % tp, "replica": rank // tp,
+                         "pieces": ranges(local, dp, rank // tp, stage)})  # fmt: skip
     saved = {"step": STEP, "adam_step": STEP}
     udir = root / "universal"
     udir.mkdir(parents=True, exist_ok=True)
-    universal.write_index(udir, params, gathered, 1, saved)  # what rank 0 writes of the state but its share
+    universal.write_index(udir, local, gathered, tp, saved)  # what rank 0 writes of the state but its share
     index = json.loads((udir / "index.json").read_text())
     files = {"universal/index.json": digest(udir / "index.json")}
+    aligned = universal.checksum_blocks(local)
     for part in gathered:
         tensors = {universal.tensor_key(n, k): c for n, _, c in part["pieces"] for k in KEYS}
-        files[f"universal/{part['file']}"] = {"bytes": 0, "sha256": "", "tensors": tensors}
+        blocks = {universal.tensor_key(n, k): (aligned[n], s % aligned[n])
+                  for n, s, _ in part["pieces"] if n in aligned for k in KEYS}  # fmt: skip
+        files[f"universal/{part['file']}"] = {"bytes": 0, "sha256": "", "tensors": tensors, "blocks": blocks}
     return index, {
         "step": STEP,
         "files": files,
@@ -294,24 +445,45 @@ def plan_world(root: Path, params: dict, dp: int) -> tuple[dict, dict]:
     }
 
 
-def plan_rank(root: Path, params: dict, manifest: dict, dp: int, rank: int) -> dict:
-    """The files and bytes rank ``rank`` of DP=``dp`` would read of the planned checkpoint (the real reader,
-    over ``PlannedFile``s)."""
+def plan_rank(
+    root: Path,
+    params: dict,
+    manifest: dict,
+    dp: int,
+    rank: int,
+    tp: int = 1,
+    stage: int = 3,
+    by_file: bool = False,
+) -> dict:
+    """The files and bytes rank ``rank`` (``i * tp + t``) of TP=``tp`` x DP=``dp`` at ZeRO ``stage`` would
+    read of the planned checkpoint (the real reader, over ``PlannedFile``s): directly, or ``by_file``
+    (``slices.Exchange``: its requests, then its reads)."""
     from goat_dist.checkpoint import slices
 
     PlannedFile.opened = []
     real, slices.TensorFile = slices.TensorFile, PlannedFile
-    share = 0
+    held = ranges(local_params(params, tp), dp, rank // tp, stage)
     try:
-        with UniversalReader(root, 1, 0, manifest) as reader:
-            for name, start, numel in zero3_ranges(params, dp, rank):
-                share += 12 * numel
+        with UniversalReader(root, tp, rank % tp, manifest) as reader:
+            if by_file:
+                ex = slices.Exchange(reader, rank // tp, dp)
+                asks, _ = ex.requests(held)
                 for key in KEYS:
-                    reader.read_flat(name, key, start, numel)
+                    ex.read(key)
+            else:
+                for name, start, numel in held:
+                    for key in KEYS:
+                        reader.read_flat(name, key, start, numel)
     finally:
         slices.TensorFile = real
     labels = [f.label for f in PlannedFile.opened]
-    return {"files": labels, "bytes": sum(f.bytes for f in PlannedFile.opened), "share_bytes": share}
+    return {
+        "files": labels,
+        "bytes": sum(f.bytes for f in PlannedFile.opened),
+        "reads": sum(f.reads for f in PlannedFile.opened),
+        "share_bytes": 12 * sum(numel for _, _, numel in held),
+        "peers": sum(1 for rows in asks if rows) if by_file else None,
+    }
 
 
 def main(out: str, saved_dp: int, read_dps: list[int]) -> None:
