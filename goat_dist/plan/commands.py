@@ -3,6 +3,7 @@
 goat-dist plan --config configs/models/goat_1.3b.yaml --nodes 1 --gpus-per-node 8 --gpu h100-80gb
 goat-dist plan --config configs/models/goat_6.7b.yaml --nodes 8 --materialize parallel.tp=8
 goat-dist plan --config configs/models/goat_30b.yaml --nodes 64 --rehearse --layers 2
+goat-dist plan --config configs/models/goat_30b.yaml --nodes 64 --search
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ def cmd_plan(args) -> int:
     from .dry_run import DryRunError, materialize
     from .hardware import gpu as find_gpu
     from .planner import PlanError, format_plan, make_plan
+    from .search import format_search, search
 
     try:
         cfg = load_config(args.config, args.overrides)
         device = find_gpu(args.gpu)
+        if args.search:
+            print(format_search(search(cfg, args.nodes, args.gpus_per_node, device, top=args.top)))
+            return 0
         fs_gbps = DEFAULT_FS_GBPS if args.fs_gbps is None else args.fs_gbps
         plan = make_plan(cfg, args.nodes, args.gpus_per_node, device, fs_gbps=fs_gbps)
     except (ConfigError, PlanError, ValueError) as e:
@@ -68,6 +73,14 @@ def register(sub, rehearse=None) -> None:
         "(default 10: a parallel file system; measure yours with goat-dist doctor)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="enumerate every layout the trainer accepts on these GPUs for the config's model, sequence "
+        "length and global batch (TP, SP, CP, ZeRO stage, checkpointing, micro-batch) and print the "
+        "fastest that fit, the config's own marked",
+    )
+    p.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (default 5)")
     p.add_argument(
         "--materialize",
         action="store_true",

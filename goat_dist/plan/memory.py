@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..config import Config
+from ..config import Config, ModelConfig
 from ..engine import sizes as engine_sizes
 from ..engine.sizes import ZERO0_ALLREDUCE_ELEMENTS, accumulates_fp32, uses_bf16_optimizer
 from ..shapes import (
@@ -21,10 +21,10 @@ from ..shapes import (
     ffn_size,
     head_dims,
     padded_vocab_size,
-    param_inventory,
     qkv_width,
     total_params,
 )
+from ..shapes import param_inventory as _model_inventory
 
 # the parameter inventory lives in ``goat_dist.shapes``; these names stay importable from here
 __all__ = [
@@ -39,6 +39,20 @@ __all__ = [
     "transient_bytes",
     "zero_options",
 ]
+
+
+_INVENTORIES: dict[tuple[str, int], list[ParamSpec]] = {}
+
+
+def param_inventory(cfg: ModelConfig, tp: int = 1) -> list[ParamSpec]:
+    """``shapes.param_inventory``, kept per model and TP size (``plan --search`` asks for the same
+    inventory thousands of times); a new list of the same frozen specs on every call."""
+    key = (repr(cfg), tp)
+    if key not in _INVENTORIES:
+        if len(_INVENTORIES) >= 64:
+            _INVENTORIES.clear()
+        _INVENTORIES[key] = _model_inventory(cfg, tp)
+    return list(_INVENTORIES[key])
 
 
 # ---- parameters, gradients, optimizer state ----------------------------------------------------------

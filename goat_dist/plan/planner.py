@@ -11,12 +11,13 @@ import copy
 
 from ..config import Config
 from ..distributed import check_layout
+from ..engine import sizes as engine_sizes
 from ..observe.flops import flops_per_token
 from ..precision import resolve_precision
 from ..rampup import ramp_sizes
 from ..shapes import resolve_key_bias_lanes
 from .checkpoint import DEFAULT_FS_GBPS, checkpoint_cost
-from .hardware import GIB, GPU, LINK_EFFICIENCY
+from .hardware import GIB, GPU
 from .memory import (
     _bf16_optimizer,
     _cp,
@@ -48,7 +49,9 @@ class PlanError(ValueError):
 
 
 def _with(cfg: Config, **train) -> Config:
-    out = copy.deepcopy(cfg)
+    """``cfg`` with other ``train`` values, a copy that shares every other section (none is changed)."""
+    out = copy.copy(cfg)
+    out.train = copy.copy(cfg.train)
     for key, value in train.items():
         setattr(out.train, key, value)
     return out
@@ -68,7 +71,8 @@ def layout_of(cfg: Config, world: int) -> dict:
     m, par = cfg.model, cfg.parallel
     cp = _cp(cfg)
     try:
-        check_layout(world, par.tp, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len // cp, par.sp)
+        # as the trainer checks it (``Trainer.__init__``)
+        check_layout(world, par.tp, m.num_heads, m.num_kv_heads or m.num_heads, m.seq_len, par.sp, cp=cp)
     except ValueError as e:
         raise PlanError(str(e)) from None
     if world % (par.tp * cp):
@@ -119,23 +123,146 @@ def largest_micro_batch(cfg: Config, dp: int, gpu: GPU, limit: int = 4096) -> in
     return lo
 
 
-def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool) -> float:
+_FLOPS: dict[str, dict[str, float]] = {}
+
+
+def _flops_per_token(m) -> dict[str, float]:
+    """``observe.flops.flops_per_token`` of the model, kept per model (``plan --search`` asks thousands
+    of times)."""
+    key = repr(m)
+    if key not in _FLOPS:
+        if len(_FLOPS) >= 64:
+            _FLOPS.clear()
+        _FLOPS[key] = flops_per_token(m)
+    return dict(_FLOPS[key])
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool, cost: float = 1.0) -> float:
     """Seconds of a ring collective over ``n`` ranks: all-reduce moves 2(n-1)/n of the buffer, an
-    all-gather or reduce-scatter (n-1)/n."""
+    all-gather or reduce-scatter (n-1)/n; ``cost``: the device's all-gather or reduce-scatter time over
+    that (``GPU.all_gather_cost``, ``reduce_scatter_cost``: 1 for NCCL's rings)."""
     if n <= 1:
         return 0.0
-    factor = (2 if all_reduce else 1) * (n - 1) / n
+    factor = (2 if all_reduce else cost) * (n - 1) / n
     return factor * bytes_ / bandwidth
 
 
+def _bucket_s(elements: int, numel: int, nbytes: int, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one reduce bucket (``elements``, at most the ``numel`` reduced) all-reduced over ``n``
+    ranks: the part of a reduction that cannot hide, the last bucket of a backward."""
+    if n <= 1:
+        return 0.0
+    return latency + _ring(min(elements, numel) * nbytes, n, bandwidth, all_reduce=True)
+
+
+def _calls(numel: int, per_call: int) -> int:
+    return -(-numel // max(per_call, 1))
+
+
+def dp_schedule(
+    cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int, forward_s: float, backward_s: float
+) -> dict:
+    """The data-parallel communication of one step as DeepSpeed 0.19 schedules it per ZeRO stage, with
+    what of it hides behind compute (``docs/planner.md``, "What DeepSpeed overlaps"). ``forward_s`` and
+    ``backward_s``: the step's compute in the forward and the backward (recomputation included), summed
+    over its micro-batches.
+
+    * ZeRO-0 (and DeepSpeed's ``BF16_Optimizer``, bf16 ZeRO-0/1 accumulating in fp32): the engine's
+      ``allreduce_gradients`` all-reduces at the accumulation boundary, after the last backward
+      (``buffered_allreduce_fallback``, flat buffers of at most ``ZERO0_ALLREDUCE_ELEMENTS``): exposed;
+      ZeRO-1's ``BF16_Optimizer`` then all-gathers the updated weights: exposed.
+    * ZeRO-1 (``stage_1_and_2``): with ``overlap_comm`` its gradient hooks reduce each full bucket on the
+      reduction stream during the boundary micro-batch's backward only (``reduce_ready_partitions_and_
+      remove_grads`` reduces when ``is_gradient_accumulation_boundary()``). A bucket is all-reduced whole
+      (``average_tensor``: ``use_multi_rank_bucket_allreduce``, DeepSpeed's default; each rank keeps its
+      partition's slice), so it moves an all-reduce's bytes, not a reduce-scatter's. Hidden behind that
+      backward but its last bucket; the weights' all-gather after the step (one per optimizer group) is
+      exposed.
+    * ZeRO-2: the same during every micro-batch's backward; the all-gather exposed.
+    * ZeRO-3: each micro-batch gathers the weights (those above the persistence threshold, one gather
+      each) for its forward and again for its backward, prefetched a bucket ahead
+      (``stage3_prefetch_bucket_size``), and reduce-scatters the gradients bucket by bucket during the
+      backward: hidden behind the forward and the backward but the first layer's gather of each and the
+      last bucket.
+
+    Bytes: gradients in the reduce dtype (``parallel.grad_reduce_dtype``: 4 bytes unless bf16 is chosen),
+    weights in the working dtype; buckets of ``engine.sizes.bucket_elements`` (h^2); each collective also
+    costs ``GPU.collective_latency_s``. Without streams (``GPU.streams`` false: DeepSpeed's CPU
+    accelerator) nothing hides."""
+    m, t = cfg.model, cfg.train
+    world, tp, dp, cp = layout["world"], layout["tp"], layout["dp"], layout["cp"]
+    bf16 = t.precision == "bf16"
+    replicas = dp * cp
+    inv = param_inventory(m, tp)
+    numel = sum(p.numel for p in inv)
+    groups = len({p.group for p in inv})
+    g = 2 if bf16 and cfg.parallel.grad_reduce_dtype == "bf16" else 4
+    w = 2 if bf16 else 4
+    link = gpu.nvlink_gb_s if world <= gpus_per_node else gpu.network_gb_s
+    bw = link * 1e9 * gpu.link_efficiency
+    lat = gpu.collective_latency_s if replicas > 1 else 0.0
+    stage = cfg.parallel.zero_stage
+    micro_batches = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
+    bucket = engine_sizes.bucket_elements(m.hidden_size)
+    last_bucket = _bucket_s(bucket, numel, g, replicas, bw, lat)
+    # the updated weights all-gathered once per step, one collective per optimizer group
+    ag, rs = gpu.all_gather_cost, gpu.reduce_scatter_cost
+    gather = _ring(w * numel, replicas, bw, all_reduce=False, cost=ag) + groups * lat
+    fwd, bwd = forward_s / micro_batches, backward_s / micro_batches  # one micro-batch's
+    streams = gpu.streams and replicas > 1
+    flat_all_reduce = _ring(g * numel, replicas, bw, all_reduce=True)
+    flat_all_reduce += _calls(numel, engine_sizes.ZERO0_ALLREDUCE_ELEMENTS) * lat
+
+    def hidden_behind(comm: float, window: float, floor: float) -> float:
+        """Exposed seconds of ``comm`` run beside ``window`` of compute, at least ``floor``."""
+        return max(min(floor, comm), comm - window) if streams else comm
+
+    if _bf16_optimizer(cfg, replicas):
+        schedule = "BF16_Optimizer: fp32 sums all-reduced at the boundary" + (
+            ", weights all-gathered" if stage == 1 else ""
+        )
+        total = exposed = flat_all_reduce + (gather if stage == 1 else 0.0)
+    elif stage == 0:
+        schedule = "all-reduce at the boundary, after the last backward"
+        total = exposed = flat_all_reduce
+    elif stage in (1, 2):
+        reduce_s = _ring(g * numel, replicas, bw, all_reduce=True) + _calls(numel, bucket) * lat
+        reductions = 1 if stage == 1 else micro_batches
+        total = reductions * reduce_s + gather
+        exposed = reductions * hidden_behind(reduce_s, bwd, last_bucket) + gather
+        schedule = (
+            "buckets all-reduced during the boundary micro-batch's backward"
+            if stage == 1
+            else "buckets all-reduced during every backward"
+        ) + ", weights all-gathered after the step"
+    else:
+        persistent = engine_sizes.persistence_threshold(m.hidden_size)
+        sizes = [(p.numel, p.name) for p in inv]
+        fetched = [(n, name) for n, name in sizes if n > persistent]
+        gather_s = _ring(w * sum(n for n, _ in fetched), replicas, bw, False, ag) + len(fetched) * lat
+        layer = [n for n, name in fetched if name.startswith("blocks.0.")]
+        first = _ring(w * sum(layer), replicas, bw, False, ag) + len(layer) * lat  # not prefetched
+        reduce_s = _ring(g * numel, replicas, bw, False, rs) + _calls(numel, bucket) * lat
+        total = micro_batches * (2 * gather_s + reduce_s)
+        exposed = micro_batches * (
+            hidden_behind(gather_s, fwd, first) + hidden_behind(gather_s + reduce_s, bwd, first + last_bucket)
+        )
+        schedule = "gathers prefetched in forward and backward, buckets reduce-scattered during the backward"
+    if not streams and replicas > 1:
+        schedule += " (no streams: nothing hides)"
+    return {"total_s": total, "exposed_s": exposed, "hidden_s": total - exposed, "schedule": schedule,
+            "grad_bytes": g, "bucket_elements": bucket, "numel": numel}  # fmt: skip
+
+
 def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
-    """Estimated step time from FLOPs at assumed kernel efficiencies plus exposed communication."""
+    """Estimated step time from FLOPs at assumed kernel efficiencies plus the communication that does not
+    hide behind compute (TP and CP's in line with it; DP's as ``dp_schedule`` overlaps it)."""
     m, t = cfg.model, cfg.train
     world, tp, dp, cp = layout["world"], layout["tp"], layout["dp"], layout["cp"]
     bf16 = t.precision == "bf16"
     a = 2 if bf16 else 4
     tokens = t.global_batch_size * m.seq_len
-    f = flops_per_token(m)
+    f = _flops_per_token(m)
     ac = t.activation_checkpointing
     recompute_dense = f["dense"] / 3 if ac == "full" else 0.0
     recompute_attention = f["attention"] / 3 if ac in ("full", "selective") else 0.0
@@ -144,7 +271,7 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     attention = (f["attention"] + recompute_attention) * tokens / world
     compute_s = gemm / (peak * GEMM_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
     # the forward is a third of the 6N FLOPs; the backward is the rest (recomputation included): the
-    # window in which ZeRO-2's per-micro-batch gradient reduce-scatter can hide
+    # windows in which DeepSpeed's overlapped DP communication can hide (``dp_schedule``)
     forward_s = ((f["dense"] + f["lm_head"]) / 3 * tokens / world) / (peak * GEMM_EFFICIENCY) + (
         f["attention"] / 3 * tokens / world
     ) / (peak * ATTENTION_EFFICIENCY)
@@ -153,14 +280,24 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     full = _with(cfg, activation_checkpointing="none")
     moved = activation_bytes(full, t.micro_batch_size)["total"] * ELEMENTWISE_TRAFFIC * micro_batches
     memory_s = moved / (gpu.hbm_tb_s * 1e12)
-    nvlink = gpu.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
-    network = gpu.network_gb_s * 1e9 * LINK_EFFICIENCY
-    # TP: 2 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the [s, b, h]
-    # activations per layer forward and 2 backward; full checkpointing repeats the forward's two.
+    nvlink = gpu.nvlink_gb_s * 1e9 * gpu.link_efficiency
+    network = gpu.network_gb_s * 1e9 * gpu.link_efficiency
+    # TP: 2 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes, twice the
+    # collectives) of the [s, b, h] activations per layer forward and 2 backward; full checkpointing
+    # repeats the forward's two; outside the layers the vocab-parallel embedding's output and the output
+    # layer's input gradient, one each.
     tp_bw = nvlink if tp * cp <= gpus_per_node else network
     per_layer = 4 + (2 if ac == "full" else 0)
     act_bytes = t.micro_batch_size * (m.seq_len // cp) * m.hidden_size * a
-    tp_s = micro_batches * m.num_layers * per_layer * _ring(act_bytes, tp, tp_bw, all_reduce=True)
+    tp_ops = m.num_layers * per_layer + 2
+    if layout["sp"]:  # an all-gather and a reduce-scatter in place of each all-reduce
+        ring = _ring(act_bytes, tp, tp_bw, False, gpu.all_gather_cost)
+        ring += _ring(act_bytes, tp, tp_bw, False, gpu.reduce_scatter_cost)
+    else:
+        ring = _ring(act_bytes, tp, tp_bw, all_reduce=True)
+    tp_s = micro_batches * tp_ops * ring
+    if tp > 1:
+        tp_s += micro_batches * tp_ops * (2 if layout["sp"] else 1) * gpu.collective_latency_s
     # CP (parallel/context.py): K and V all-gathered over the CP group per layer forward, dK and dV
     # reduce-scattered backward; any recomputation of the attention core (full or selective) gathers
     # again. Not overlapped with compute. Ranks of one CP group sit next to their TP peers.
@@ -168,50 +305,33 @@ def throughput(cfg: Config, layout: dict, gpu: GPU, gpus_per_node: int) -> dict:
     kv_bytes = t.micro_batch_size * m.seq_len * (kv_heads // tp) * (m.hidden_size // m.num_heads) * a
     cp_bw = nvlink if tp * cp <= gpus_per_node else network
     cp_per_layer = 4 + (2 if ac in ("full", "selective") else 0)
-    cp_s = micro_batches * m.num_layers * cp_per_layer * _ring(kv_bytes, cp, cp_bw, all_reduce=False)
-    # DP: gradients reduced once per step (ZeRO 0: all-reduce; 1: reduce-scatter + all-gather of the
-    # updated weights); ZeRO-2 reduce-scatters every micro-batch's gradients into the partition as the
-    # backward produces them (overlap_comm: hidden behind that micro-batch's backward, the rest exposed)
-    # and all-gathers the updated weights once; ZeRO-3 gathers weights for every micro-batch's forward
-    # and backward and reduce-scatters gradients per micro-batch, prefetched (hidden behind compute
-    # where it can be).
-    # Gradients are reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice). Gradients
-    # travel in the reduce dtype (parallel.grad_reduce_dtype: fp32 unless bf16 is chosen), weights in `a`.
+    gathers = m.num_layers * (2 + (2 if ac in ("full", "selective") else 0))  # K and V, each pass
+    scatters = m.num_layers * 2  # dK and dV
+    cp_s = micro_batches * gathers * _ring(kv_bytes, cp, cp_bw, False, gpu.all_gather_cost)
+    cp_s += micro_batches * scatters * _ring(kv_bytes, cp, cp_bw, False, gpu.reduce_scatter_cost)
+    if cp > 1:
+        cp_s += micro_batches * m.num_layers * cp_per_layer * gpu.collective_latency_s
+    # DP: gradients reduced, and ZeRO partitions, over DP x CP (every replica of a TP slice)
+    dps = dp_schedule(cfg, layout, gpu, gpus_per_node, forward_s, backward_s)
     replicas = dp * cp
-    inv = param_inventory(m, tp)
-    numel = sum(p.numel for p in inv)
-    grad_bytes = (2 if bf16 and cfg.parallel.grad_reduce_dtype == "bf16" else 4) * numel
-    weight_bytes = a * numel
-    dp_bw = nvlink if world <= gpus_per_node else network
     stage = cfg.parallel.zero_stage
-    if stage == 0:
-        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
-    elif _bf16_optimizer(cfg, replicas):  # ZeRO-1 accumulating in fp32: BF16_Optimizer's all-reduce
-        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=True)
-        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
-    elif stage == 1:
-        dp_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
-        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
-    elif stage == 2:
-        reduce_s = _ring(grad_bytes, replicas, dp_bw, all_reduce=False)
-        dp_s = micro_batches * max(0.0, reduce_s - backward_s / micro_batches)
-        dp_s += _ring(weight_bytes, replicas, dp_bw, all_reduce=False)
-    else:
-        weights = 2 * _ring(weight_bytes, replicas, dp_bw, all_reduce=False)  # forward and backward
-        gathers = micro_batches * (weights + _ring(grad_bytes, replicas, dp_bw, all_reduce=False))
-        dp_s = max(0.0, gathers - compute_s)
-    partition = sum(p.numel for p in inv) / (replicas if stage else 1)
+    partition = dps["numel"] / (replicas if stage else 1)
     optimizer_s = ADAM_BYTES_PER_ELEMENT * partition / (gpu.hbm_tb_s * 1e12)
-    step_s = compute_s + memory_s + tp_s + cp_s + dp_s + optimizer_s
+    step_s = compute_s + memory_s + tp_s + cp_s + dps["exposed_s"] + optimizer_s
     model_flops = f["total"] * tokens
     return {
         "flops_per_token": f["total"],
         "tokens_per_step": tokens,
         "compute_s": compute_s,
+        "forward_s": forward_s,
+        "backward_s": backward_s,
         "memory_bound_s": memory_s,
         "tp_comm_s": tp_s,
         "cp_comm_s": cp_s,
-        "dp_comm_s": dp_s,
+        "dp_comm_s": dps["exposed_s"],  # what does not hide behind compute
+        "dp_total_s": dps["total_s"],
+        "dp_hidden_s": dps["hidden_s"],
+        "dp_schedule": dps["schedule"],
         "optimizer_s": optimizer_s,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,

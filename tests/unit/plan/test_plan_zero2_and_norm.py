@@ -16,8 +16,13 @@ from goat_dist.plan.planner import format_plan, layout_of, throughput
 GOAT_30B = Path(__file__).resolve().parents[3] / "configs/models/goat_30b.yaml"
 
 
+# the 30B config's layout before it took plan --search's (TP 8 + SP, micro 4): accumulating at DP 16
+TP8 = ["parallel.tp=8", "parallel.sp=true", "train.micro_batch_size=4", "train.activation_checkpointing=none"]
+
+
 def dp_seconds(stage: int, global_batch: int) -> tuple[float, float]:
-    cfg = load_config(GOAT_30B, [f"parallel.zero_stage={stage}", f"train.global_batch_size={global_batch}"])
+    over = [*TP8, f"parallel.zero_stage={stage}", f"train.global_batch_size={global_batch}"]
+    cfg = load_config(GOAT_30B, over)
     layout = layout_of(cfg, 128)
     return layout["grad_accum"], throughput(cfg, layout, gpu("h100-80gb"), 8)["dp_comm_s"]
 

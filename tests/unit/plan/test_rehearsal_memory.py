@@ -18,6 +18,9 @@ from goat_dist.rehearsal.memory import CATEGORIES, TOLERANCE, _cuda_autocast_nor
 CONFIGS = ROOT / "configs"
 TINY = CONFIGS / "tiny.yaml"
 GOAT_30B = CONFIGS / "models" / "goat_30b.yaml"
+# the 30B config's layout before it took plan --search's (ZeRO-3 at TP 2): what these cases trace
+TP8_ZERO1 = ["parallel.tp=8", "parallel.zero_stage=1", "train.micro_batch_size=4",
+             "train.activation_checkpointing=none"]  # fmt: skip
 COMPARED = ("params", "grads", "optimizer", "state", "activations")
 # name: (config, overrides, rank, world); tiny accumulates 2 micro-batches (the peak the plan plans for);
 # tiny comes first so that the 30B's resident-memory growth is its trace's alone, not the lazy imports
@@ -26,7 +29,7 @@ CASES = {
     "tiny, one micro-batch": (TINY, [], 0, 1),
     "tiny, ZeRO-3": (TINY, ["parallel.zero_stage=3", "train.global_batch_size=32"], 1, 2),
     "tiny, ALiBi": (TINY, ["model.position=alibi"], 0, 1),
-    "30b": (GOAT_30B, ["model.num_layers=2"], 511, 512),
+    "30b": (GOAT_30B, ["model.num_layers=2", *TP8_ZERO1], 511, 512),
 }
 # each case traced from its frozen config (a run's resolved config, as the rehearsal passes it), with the
 # growth of the process's resident memory: VmHWM after (the peak, reset before) minus VmRSS before
