@@ -85,10 +85,12 @@ def layout_of(cfg: Config, world: int) -> dict:
             "global_batch": cfg.train.global_batch_size}  # fmt: skip
 
 
-def memory_at(cfg: Config, dp: int, micro: int) -> dict:
-    """Per-rank bytes at ``micro`` sequences per micro-batch: state, activations, transient, reserve."""
+def memory_at(cfg: Config, dp: int, micro: int, state: dict | None = None) -> dict:
+    """Per-rank bytes at ``micro`` sequences per micro-batch: state, activations, transient, reserve.
+    ``state``: ``state_bytes`` already computed for this layout (the search reuses it across micro-batch
+    sizes)."""
     c = _with(cfg, micro_batch_size=micro)
-    state = state_bytes(c, dp)
+    state = state_bytes(c, dp) if state is None else state
     act = activation_bytes(c, micro)
     transient = transient_bytes(c, dp, micro)
     total = state["total"] + act["total"] + transient["total"] + RESERVED_BYTES

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from ..config import Config, ConfigError, validate
 from ..distributed import LayoutError, check_batch, check_layout, check_rampup
 from .hardware import GIB, GPU
-from .memory import _cp, activation_bytes, state_bytes, transient_bytes
-from .planner import RESERVED_BYTES, budget, construction_at, layout_of, planned_config, throughput
+from .memory import _cp, state_bytes
+from .planner import budget, construction_at, layout_of, memory_at, planned_config, throughput
 
 CHECKPOINTING = ("none", "selective", "full")
 
@@ -189,18 +189,12 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: GPU, top: int = 5) 
 
 
 def _memory(c: Config, replicas: int, accum: int, states: dict) -> dict:
-    """``planner.memory_at`` (the same terms, summed the same way), its state kept across candidates that
-    hold the same: the state depends on the micro-batch only through whether there is accumulation."""
-    micro = c.train.micro_batch_size
+    """``planner.memory_at``, its state kept across candidates that hold the same: the state depends on the
+    micro-batch only through whether there is accumulation."""
     key = (c.parallel.tp, c.parallel.zero_stage, replicas, accum > 1)
     if key not in states:
         states[key] = state_bytes(c, replicas)
-    state = states[key]
-    act = activation_bytes(c, micro)
-    transient = transient_bytes(c, replicas, micro)
-    total = state["total"] + act["total"] + transient["total"] + RESERVED_BYTES
-    return {"state": state, "activations": act, "transient": transient, "reserved": RESERVED_BYTES,
-            "total": total}  # fmt: skip
+    return memory_at(c, replicas, c.train.micro_batch_size, state=states[key])
 
 
 def _unbuilt(build: dict) -> dict:
