@@ -457,16 +457,18 @@ _PEER_LOST = (
 )
 
 
-def collective_failure(error: BaseException, timeout_minutes: float) -> str | None:
+def collective_failure(error: BaseException, timeout: float | str) -> str | None:
     """The reason ``last_exit.json`` records when ``error`` is a collective that lost a peer (None
-    otherwise): the collective error alone names a socket, not what happened to the job."""
+    otherwise): the collective error alone names a socket, not what happened to the job. ``timeout``: the
+    timeout that applied, as minutes of ``parallel.timeout_minutes`` or as the caller words it."""
     text = str(error)
     if not isinstance(error, RuntimeError) or not any(m in text for m in _PEER_LOST):
         return None
     what = "timed out" if "imed out" in text else "lost its connection to a peer"
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    applied = f"parallel.timeout_minutes={timeout:g}" if isinstance(timeout, (int, float)) else timeout
     return (
-        f"a collective {what} (parallel.timeout_minutes={timeout_minutes:g}): another rank stopped "
+        f"a collective {what} ({applied}): another rank stopped "
         f"answering (frozen, dead or far behind; see its log); {type(error).__name__}: {first}"
     )
 

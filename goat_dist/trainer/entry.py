@@ -20,7 +20,7 @@ from ..config import Config, ConfigError
 from ..data import contract as data_contract
 from ..data.batches import check_sources
 from ..distributed import LayoutError
-from ..parallel.timeouts import STEADY_KEY, Timeouts
+from ..parallel.timeouts import Timeouts
 from ..run_lock import RunDirError, WorldLock
 from . import nonfinite
 from .deadline import DeadlineError
@@ -79,11 +79,10 @@ def collective_failure(error: BaseException, cfg: Config, trainer: Trainer | Non
     (``parallel.startup_timeout_minutes``) until this rank's first step ended (a trainer not yet built, or
     the run lock's collective, count as before it), else ``parallel.timeout_minutes``."""
     timeouts = trainer.timeouts if trainer is not None else Timeouts.from_config(cfg.parallel)
-    reason = distributed.collective_failure(error, timeouts.minutes)
-    if reason is None or timeouts.steady:
-        return reason
-    applied = f"{timeouts.describe()}, the start-up timeout: this rank's first step had not ended"
-    return reason.replace(f"{STEADY_KEY}={timeouts.minutes:g}", applied, 1)
+    applied = timeouts.describe()
+    if not timeouts.steady:
+        applied += ", the start-up timeout: this rank's first step had not ended"
+    return distributed.collective_failure(error, applied)
 
 
 def process_exit_code(state: RunState) -> int:
