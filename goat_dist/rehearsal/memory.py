@@ -64,6 +64,7 @@ from ..plan.memory import (
     _cp,
     _flat_partition,
     _fp32_accumulation,
+    _grad_accumulation,
     partition_overlap,
     state_bytes,
 )
@@ -334,10 +335,6 @@ def _fp32_sums(cfg: Config, optimizer: torch.optim.Optimizer, replicas: int) -> 
     return 4 * sum(flat)
 
 
-def _grad_accumulation(cfg: Config, dp: int) -> int:
-    return max(cfg.train.global_batch_size // max(cfg.train.micro_batch_size * dp, 1), 1)
-
-
 def trace_memory(cfg: Config, rank: int, world: int) -> dict:
     """Global ``rank``'s bytes in one training step of ``cfg`` on ``world`` ranks, traced on CPU fake
     tensors (nothing is allocated), as the module docstring says.
@@ -374,7 +371,7 @@ def trace_memory(cfg: Config, rank: int, world: int) -> dict:
     bf16 = cfg.train.precision == "bf16"
     layout = distributed.init_fake(rank, world, cfg.parallel.tp, _cp(cfg))
     replicas = layout.replicas  # ZeRO partitions over DP x CP
-    accumulation = _grad_accumulation(cfg, layout.dp)
+    accumulation = _grad_accumulation(cfg, replicas)
     watch = _QuadraticWatch(seq, layout.cp)
     tracker = _PhaseTracker()
     reads = _NoValues()

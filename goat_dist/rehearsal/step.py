@@ -31,6 +31,7 @@ import torch
 from .. import collectives
 from ..config import Config
 from ..engine import sizes
+from ..plan.memory import _bf16_optimizer
 from ..trainer.control import is_control_vector, quiet_vector
 from .world import RECORDER
 
@@ -128,12 +129,9 @@ def dp_collectives(cfg: Config, layout, params: list[torch.nn.Parameter], micro:
         out = torch.empty(part * n, dtype=dtype, device=META)
         collectives.all_gather_into_tensor(out, shard, group=group)
 
-    micro_batches = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp), 1)
     # BF16_Optimizer (bf16 accumulating in fp32 at ZeRO-0/1): its fp32 sums all-reduced at the boundary as
     # ZeRO-0's gradients are, and at ZeRO-1 the updated weights all-gathered from the partitions
-    bf16_optimizer = sizes.uses_bf16_optimizer(
-        stage, cfg.train.precision, cfg.parallel.grad_accum_dtype, micro_batches, cfg.train.batch_rampup
-    )
+    bf16_optimizer = _bf16_optimizer(cfg, n)
     if (stage == 0 or bf16_optimizer) and when == "boundary":
         for size in buckets(sizes.ZERO0_ALLREDUCE_ELEMENTS):
             collectives.all_reduce(torch.empty(size, dtype=comm, device=META), group=group)
