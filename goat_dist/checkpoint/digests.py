@@ -8,8 +8,11 @@ Instead:
   background writer of an async save) and passes those digests as ``known``; so the hashing is balanced as
   the writes are (each rank ~1/world of the state). Rank 0 lists the directory and broadcasts the list;
   anything not yet hashed (the small run files) is shared out (``shares``: deterministic, balanced by
-  bytes, largest files first); rank 0 receives every digest and writes the manifest.
-- Loading: every rank checks what it reads and nothing else (``read_checked`` for the small files, block
+  bytes, largest files first); rank 0 alone receives every digest (``gather_object``), and writes the
+  manifest: the run files in ``manifest.json``, each rank's files in a part of a few ranks
+  (``manifest.py``).
+- Loading: every rank reads the top manifest and the parts listing the files it opens, and checks what it
+  reads and nothing else (``read_checked`` for the small files, block
   checksums for the state: ``slices``), so a resume stats and hashes the rank's share, not the world's.
   A problem found on any rank is raised on every rank with the same message, naming the file and the step
   (``raise_everywhere``), so all ranks stop together. ``verify`` checks a whole checkpoint (``goat-dist
@@ -21,14 +24,15 @@ Without a process group (``goat-dist ckpt inspect``, export, tools) everything r
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch.distributed as dist
 
 from .. import collectives
 from ..atomic import file_problem, sha256_file
+from . import manifest as manifest_file
 from .errors import CheckpointError
+from .manifest import PARTS, Manifest
 from .names import MANIFEST
 
 __all__ = ["digest_files", "gather", "listing", "raise_everywhere", "read_checked", "shares", "verify"]
@@ -53,12 +57,12 @@ def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
 
 
 def listing(step_dir: Path) -> dict[str, int]:
-    """Every file of a checkpoint but its manifest: relative name -> bytes."""
+    """Every file of a checkpoint but its manifest (and the manifest's parts): relative name -> bytes."""
     step_dir = Path(step_dir)
     return {
         str(p.relative_to(step_dir)): p.stat().st_size
         for p in sorted(step_dir.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name != MANIFEST and p.relative_to(step_dir).parts[0] != PARTS
     }
 
 
@@ -87,19 +91,28 @@ def raise_everywhere(error: str) -> None:
     _raise_first(gather(error or ""))
 
 
+def _to_first(obj) -> list:
+    """Every rank's ``obj`` on rank 0 (collective; ``[]`` elsewhere, ``[obj]`` without a group)."""
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    return collectives.gather_object(obj, dst=0) or []
+
+
 def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> dict[str, dict]:
-    """Collective (or one process without a group): ``{name: {"bytes", "sha256"}}`` of every file of
-    ``step_dir`` but the manifest, each file hashed by one rank. ``known``: digests this rank already
-    computed (its own files, hashed right after writing); ``error``: a failure this rank had while writing.
-    Any rank's error, or a file that changed size after it was hashed, is raised on every rank."""
+    """Collective (or one process without a group): on rank 0, ``{name: {"bytes", "sha256"}}`` of every
+    file of ``step_dir`` but the manifest, each file hashed by one rank; ``{}`` on the others (only rank 0
+    writes the manifest, so no rank receives the world's digests but rank 0). ``known``: digests this rank
+    already computed (its own files, hashed right after writing); ``error``: a failure this rank had while
+    writing. Any rank's error, or a file that changed size after it was hashed, is raised on every rank."""
     step_dir = Path(step_dir)
     rank, world = _world()
-    gathered = gather((known or {}, error or ""))
-    _raise_first([e for _, e in gathered])  # a writer failed somewhere: the same message everywhere
+    _raise_first(gather(error or ""))  # a writer failed somewhere: the same message everywhere
     merged: dict[str, dict] = {}
-    for part, _ in gathered:
+    for part in _to_first(known or {}):
         merged.update(part)
     plan: list = [None]
+    names: list[str] = []
     if rank == 0:
         try:
             sizes = listing(step_dir)
@@ -114,33 +127,29 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
         except OSError as e:
             sizes, problem = {}, f"checkpoint {step_dir}: cannot list it on rank 0: {e}"
         todo = {n: s for n, s in sizes.items() if n not in merged}
-        plan = [(shares(todo, world), sorted(sizes), problem)]
+        names = sorted(sizes)
+        assigned = {r: part for r, part in enumerate(shares(todo, world)) if part}  # the few run files
+        plan = [(assigned, problem)]
     if world > 1:
         collectives.broadcast_object_list(plan, src=0)
-    my_share, names, problem = plan[0][0][rank], plan[0][1], plan[0][2]
+    assigned, problem = plan[0]
     results, error = {}, problem if rank == 0 else ""
-    for name in my_share if not problem else []:
+    for name in assigned.get(rank, []) if not problem else []:
         try:
             results[name] = digest(step_dir / name)
         except OSError as e:
             error = f"checkpoint {step_dir}: rank {rank} cannot read {name} to hash it: {e}"
             break
-    gathered = gather((results, error))
-    _raise_first([e for _, e in gathered])
-    for part, _ in gathered:
+    _raise_first(gather(error))
+    for part in _to_first(results):
         merged.update(part)
     return {name: merged[name] for name in names}
 
 
-def read_manifest(step_dir: Path) -> dict:
-    step_dir = Path(step_dir)
-    manifest_path = step_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {step_dir} is incomplete: no {MANIFEST} (interrupted save?)")
-    try:
-        return json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not valid JSON: {e}") from e
+def read_manifest(step_dir: Path) -> Manifest:
+    """The checkpoint's manifest; a rank's files' digests are read from their part when looked up
+    (``manifest.py``)."""
+    return manifest_file.read(step_dir)
 
 
 def where(step_dir: Path, manifest: dict | None) -> str:
@@ -199,11 +208,14 @@ def verify(step_dir: Path, checksums: bool = True, parallel: bool = False) -> di
         problem = _problem(step_dir, manifest, checksums)
         if problem:
             raise CheckpointError(problem)
+        manifest["files"].check_parts()
         return manifest
-    manifest, error, fingerprint = None, "", ""
+    found: Manifest | None = None
+    error, fingerprint = "", ""
     try:
-        manifest = read_manifest(step_dir)
-        fingerprint = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        found = manifest = read_manifest(step_dir)
+        fingerprint = manifest.fingerprint
+        manifest["files"].check_parts()
         mine: set[str] | bool = False
         if checksums:
             sizes = {n: m["bytes"] for n, m in manifest["files"].items()}
@@ -218,4 +230,5 @@ def verify(step_dir: Path, checksums: bool = True, parallel: bool = False) -> di
             f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
             "system every node shares?)"
         )
-    return manifest
+    assert found is not None  # else this rank's error was raised above
+    return found

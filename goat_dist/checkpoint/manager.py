@@ -5,7 +5,8 @@ Layout of ``<run_dir>/checkpoints/``::
     step_00000020/           universal/rank<R>.safetensors (each rank its own share of the fp32 masters
                              and Adam moments, no gather) + universal/index.json (``universal.py``),
                              rng_rank<R>.pt (every rank), trainer_state.json, config.yaml,
-                             manifest.json (sizes + sha256 of every file; written last)
+                             digests/ranks_<R>.json (sizes + sha256 of 8 ranks' files) and
+                             manifest.json (of the other files; written last: ``manifest.py``)
     latest                   the tag of the newest complete checkpoint (temp + fsync + rename)
     stale/                   checkpoints moved aside at start: newer than the run's starting point and
                              so not in its lineage (lineage.py)
@@ -34,7 +35,6 @@ rank's files are on disk and hashed, just before the manifest and ``latest`` are
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..atomic import atomic_write_text
 from . import compat, lineage, rng, space, universal
+from . import manifest as manifest_file
 from .digests import (
     digest,
     digest_files,
@@ -71,11 +72,12 @@ LAYOUT_KEYS = ("world", "tp", "dp", "zero_stage", "precision", "param_groups")
 
 
 def write_manifest(step_dir: Path, extra: dict, files: dict | None = None) -> None:
-    """Write ``manifest.json`` (atomically): ``files`` ({name: {bytes, sha256}}, as ``digests.digest_files``
-    gathers them), or, without them, every file hashed by this process."""
+    """Write the manifest (atomically; its parts first, ``manifest.py``): ``files`` ({name: {bytes,
+    sha256}}, as ``digests.digest_files`` gathers them), or, without them, every file hashed by this
+    process."""
     if files is None:
         files = {name: digest(Path(step_dir) / name) for name in listing(step_dir)}
-    atomic_write_text(Path(step_dir) / MANIFEST, json.dumps({"files": files, **extra}, indent=1))
+    manifest_file.write(Path(step_dir), files, extra)
 
 
 @dataclass
@@ -372,7 +374,7 @@ def read_run_files(
     manifest, state, rng_state, error, fingerprint = None, None, None, "", ""
     try:
         manifest = read_manifest(step_dir)
-        fingerprint = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        fingerprint = manifest.fingerprint
         state = json.loads(read_checked(step_dir, STATE, manifest))
         universal.require_state(step_dir, purpose, manifest)
         name = f"rng_rank{rank}.pt"
@@ -394,4 +396,5 @@ def read_run_files(
             f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
             "system every node shares?)"
         )
+    assert manifest is not None and state is not None  # else this rank's error was raised above
     return manifest, state, rng_state

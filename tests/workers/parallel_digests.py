@@ -39,13 +39,15 @@ def main() -> None:
         return original(path)
 
     digests.digest = recording
-    files = digests.digest_files(step_dir)
+    files = digests.digest_files(step_dir)  # rank 0's; the others receive none
+    everything = [files]
+    dist.broadcast_object_list(everything, src=0)
     # a file its writer already hashed (rank 1 here) is not read again; a wrong size for one is an error
     before = len(hashed)
-    known = {"a.pt": files["a.pt"]} if rank == 1 else {}
+    known = {"a.pt": everything[0]["a.pt"]} if rank == 1 else {}
     again = digests.digest_files(step_dir, known=known)
     rehashed = hashed[before:]
-    wrong = {"a.pt": {**files["a.pt"], "bytes": 1}} if rank == 1 else {}
+    wrong = {"a.pt": {**everything[0]["a.pt"], "bytes": 1}} if rank == 1 else {}
     resized = outcome(lambda: digests.digest_files(step_dir, known=wrong))
     del hashed[before:]
     digests.digest = original

@@ -27,8 +27,9 @@ from harness.multiproc import (
 from harness.multiproc import run as run_cmd
 from safetensors.torch import load_file
 
+from goat_dist.checkpoint import manifest as manifest_file
 from goat_dist.checkpoint import staging
-from goat_dist.checkpoint.digests import shares
+from goat_dist.checkpoint.digests import read_manifest, shares
 from goat_dist.checkpoint.errors import CheckpointError
 from goat_dist.checkpoint.manager import verify, write_manifest
 from goat_dist.checkpoint.safe_load import load as safe_load
@@ -98,11 +99,12 @@ def test_verify_needs_no_process_group(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path):
     """Two ranks: each hashes a share of the files (together every file once, the same digests one process
-    computes; a file a writer already hashed is not read again); resume's check hashes in shares too, and a
-    corrupt file or a failed write on one rank is the same CheckpointError, naming the file, on every rank."""
+    computes, received by rank 0 alone, which writes the manifest; a file a writer already hashed is not
+    read again); resume's check hashes in shares too, and a corrupt file or a failed write on one rank is
+    the same CheckpointError, naming the file, on every rank."""
     step_dir = fake_step_dir(tmp_path)
     write_manifest(step_dir, {"step": 7})
-    single = json.loads((step_dir / "manifest.json").read_text())["files"]
+    single = dict(read_manifest(step_dir)["files"])
     (step_dir / "manifest.json").unlink()
     worker = str(ROOT / "tests" / "workers" / "parallel_digests.py")
     port = free_port()
@@ -119,7 +121,7 @@ def test_digests_are_computed_in_parallel_and_failures_reach_every_rank(tmp_path
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["files"] == ranks[1]["files"] == single
+    assert ranks[0]["files"] == single and ranks[1]["files"] == {}  # rank 0 alone receives the digests
     hashed = [set(r["hashed"]) for r in ranks]
     assert all(hashed) and not hashed[0] & hashed[1] and hashed[0] | hashed[1] == set(single)
     assert all(r["again_same"] for r in ranks)  # with a.pt's digest known on rank 1 ...
@@ -164,11 +166,12 @@ def _figures(reads: list[dict]) -> str:
 
 
 def test_a_same_layout_zero3_resume_reads_only_each_ranks_own_file(zero3_dp64):
-    """Every rank of the DP=64 ZeRO-3 world resuming on the same layout opens the manifest, the run state,
-    its RNG file, the index and its own state file, each once: no other rank's file is opened or stat'ed;
-    it reads <= 1.1 x its share (the fp32 value and both moments of its partitions; measured 1.025-1.031:
-    the manifest, index, its file's header and checksums), every element as saved. Before: ranks 0-63 of a
-    30B world opened 18 files 7,900-9,600 times, and every rank stat'ed every file and hashed another's."""
+    """Every rank of the DP=64 ZeRO-3 world resuming on the same layout opens the manifest, the part of it
+    listing its 8 ranks' files, the run state, its RNG file, the index and its own state file, each once:
+    no other rank's file is opened or stat'ed; it reads <= 1.1 x its share (the fp32 value and both
+    moments of its partitions; measured 1.025-1.031: the manifest, index, its file's header and
+    checksums), every element as saved. Before: ranks 0-63 of a 30B world opened 18 files 7,900-9,600
+    times, and every rank stat'ed every file and hashed another's."""
     from workers import share_reads
 
     step_dir, params = zero3_dp64
@@ -176,7 +179,15 @@ def test_a_same_layout_zero3_resume_reads_only_each_ranks_own_file(zero3_dp64):
     print(_figures(reads))
     for rank, r in enumerate(reads):
         own = f"universal/rank{rank:05d}.safetensors"
-        expected = ["manifest.json", "trainer_state.json", f"rng_rank{rank}.pt", "universal/index.json", own]
+        part = manifest_file.part_name(rank // manifest_file.RANKS_PER_PART)  # its 8 ranks' digests
+        expected = [
+            "manifest.json",
+            part,
+            "trainer_state.json",
+            f"rng_rank{rank}.pt",
+            "universal/index.json",
+            own,
+        ]
         assert sorted(r["opened"]) == sorted(expected), f"rank {rank}: {r['opened']}"
         assert set(r["stats"]) <= set(r["opened"]), f"rank {rank} stat'ed {r['stats']}"
         assert r["bytes"] <= 1.1 * r["share_bytes"], f"rank {rank}: {r['bytes']} bytes for {r['share_bytes']}"
@@ -266,12 +277,13 @@ def zero1_dp64(tmp_path_factory):
 
 @pytest.mark.parametrize("saved,stage", [(1, 3), (3, 1)], ids=["zero1-to-zero3", "zero3-to-zero1"])
 def test_a_zero_stage_change_opens_only_the_files_of_its_share(zero3_dp64, zero1_dp64, saved, stage):
-    """Every rank of the DP=64 world resumes the other ZeRO stage's checkpoint by file
-    (``slices.Exchange``; tests/workers/share_reads.py plays the all-to-all): it opens one state file
-    (its own: the same DP) and the four run files, reads <= 1.1 x its share, and every element reaches
-    its owner as saved (measured 1.013-1.026). Read directly, a rank's share lies in pieces of most files:
-    rank 63 opens 23 state files at ZeRO 1 -> 3 and 64 at 3 -> 1 here (sampled ranks of the 30B config
-    on 512: 221-287 and 98-512, and 1.6-2.7 x the share at 1 -> 3, its blocks being 1/64 of a piece)."""
+    """Every rank of the DP=64 world resumes the other ZeRO stage's checkpoint by file (``slices.Exchange``;
+    tests/workers/share_reads.py plays the all-to-all): it opens one state file (its own: the same DP) and
+    the four run files (the manifest's part listing it among them), reads <= 1.1 x its share, and every
+    element reaches its owner as saved (measured 1.013-1.026). Read directly, a rank's share lies in
+    pieces of most files: rank 63 opens 23 state files at ZeRO 1 -> 3 and 64 at 3 -> 1 here (sampled ranks
+    of the 30B config on 512: 221-287 and 98-512, and 1.6-2.7 x the share at 1 -> 3, its blocks being 1/64
+    of a piece)."""
     from workers import share_reads
 
     step_dir, params = zero1_dp64 if saved == 1 else zero3_dp64
@@ -286,7 +298,7 @@ def test_a_zero_stage_change_opens_only_the_files_of_its_share(zero3_dp64, zero1
         assert r["state_files"] == [f"universal/rank{rank:05d}.safetensors"], (
             f"rank {rank}: {r['state_files']}"
         )
-        assert len(r["opened"]) == len(set(r["opened"])) == 4, f"rank {rank}: {r['opened']}"
+        assert len(r["opened"]) == len(set(r["opened"])) == 5, f"rank {rank}: {r['opened']}"
         assert set(r["stats"]) <= set(r["opened"]), f"rank {rank} stat'ed {r['stats']}"
         assert r["bytes"] <= 1.1 * r["share_bytes"], f"rank {rank}: {r['bytes']} bytes for {r['share_bytes']}"
         assert r["exact"], f"rank {rank}"
@@ -544,8 +556,8 @@ def same(a, b, where: str) -> None:
 def assert_same_checkpoint(sync_dir: Path, async_dir: Path) -> None:
     """Every file of both has the same content: torch files unpickled (their zip archives carry a random
     serialization id), safetensors tensor by tensor, the rest byte for byte."""
-    files = json.loads((sync_dir / "manifest.json").read_text())["files"]
-    assert json.loads((async_dir / "manifest.json").read_text())["files"].keys() == files.keys()
+    files = read_manifest(sync_dir)["files"]
+    assert read_manifest(async_dir)["files"].keys() == files.keys()
     for name in files:
         a, b = sync_dir / name, async_dir / name
         if name.endswith(".pt"):

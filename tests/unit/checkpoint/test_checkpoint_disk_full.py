@@ -5,7 +5,6 @@ removed and the previous checkpoint stays ``latest`` and intact. In-process, the
 from __future__ import annotations
 
 import errno
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import yaml
 from harness.multiproc import one_layer_config
 
 from goat_dist.checkpoint import CheckpointError, CheckpointManager, manager, tensor_file
-from goat_dist.checkpoint.digests import verify
+from goat_dist.checkpoint.digests import read_manifest, verify
 from goat_dist.model import GPT
 from goat_dist.parallel.parallelize import parallelize
 from goat_dist.trainer.entry import exit_code_for, user_error_message
@@ -85,7 +84,7 @@ def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(setup, mon
     message = str(caught.value)
     directory = root if where == "checkpoints" else root / where
     assert f"The disk holding {directory} is full" in message, message
-    size = json.loads((root / "step_00000001" / "manifest.json").read_text())["files"]
+    size = read_manifest(root / "step_00000001")["files"]
     assert f"the last checkpoint took {sum(f['bytes'] for f in size.values()):,} bytes" in message
     assert_previous_survives(checkpoints, root, message)
     assert exit_code_for(caught.value) == 2 and "\n" not in user_error_message(caught.value)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from goat_dist.checkpoint import tensor_file, universal
-from goat_dist.checkpoint.digests import digest, listing
+from goat_dist.checkpoint.digests import digest, listing, read_manifest
 from goat_dist.checkpoint.errors import CheckpointError
 from goat_dist.checkpoint.manager import write_manifest
 from goat_dist.checkpoint.slices import UniversalReader
@@ -89,7 +89,7 @@ def write_checkpoint(step_dir, tp: int, dp: int, cut=even, step: int = 3) -> dic
     (step_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
     files = {name: digest(step_dir / name) for name in listing(step_dir)}
     write_manifest(step_dir, {"step": step}, files={**files, **known})
-    return json.loads((step_dir / "manifest.json").read_text())
+    return read_manifest(step_dir)
 
 
 # ---- tensor_file ---------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_an_earlier_format_2_checkpoint_is_read_through_meta_json_and_checked_wh
     meta = {"format": 2, "tp": 1, "step": 3, "params": params, "files": files, "pieces": pieces}
     (udir / "meta.json").write_text(json.dumps(meta))
     write_manifest(tmp_path, {"step": 3})
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = read_manifest(tmp_path)
     assert "header_sha256" not in manifest["files"]["universal/rank00000.safetensors"]
     with UniversalReader(tmp_path, 1, 0, manifest) as reader:
         assert reader.index_name == "universal/meta.json"

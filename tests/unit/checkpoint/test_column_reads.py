@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
 from goat_dist.checkpoint import tensor_file, universal
-from goat_dist.checkpoint.digests import digest, listing
+from goat_dist.checkpoint.digests import digest, listing, read_manifest
 from goat_dist.checkpoint.errors import CheckpointError
 from goat_dist.checkpoint.manager import write_manifest
 from goat_dist.checkpoint.slices import UniversalReader
@@ -65,7 +64,7 @@ def write(step_dir, tp: int, dp: int) -> dict:
     universal.write_index(udir, params, gathered, tp, {"step": 3, "adam_step": 3})
     files = {name: digest(step_dir / name) for name in listing(step_dir)}
     write_manifest(step_dir, {"step": 3}, files={**files, **known})
-    return json.loads((step_dir / "manifest.json").read_text())
+    return read_manifest(step_dir)
 
 
 @pytest.fixture

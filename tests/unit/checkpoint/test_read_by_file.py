@@ -10,7 +10,6 @@ file more than reading by file does (a DP change keeps its direct reads).
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from goat_dist.checkpoint import universal
-from goat_dist.checkpoint.digests import digest, listing
+from goat_dist.checkpoint.digests import digest, listing, read_manifest
 from goat_dist.checkpoint.errors import CheckpointError
 from goat_dist.checkpoint.manager import write_manifest
 from goat_dist.checkpoint.slices import UniversalReader
@@ -72,7 +71,7 @@ def write(step_dir, dp: int, cut) -> dict:
     universal.write_index(udir, PARAMS, gathered, 1, {"step": 3, "adam_step": 3})
     files = {name: digest(step_dir / name) for name in listing(step_dir)}
     write_manifest(step_dir, {"step": 3}, files={**files, **known})
-    return json.loads((step_dir / "manifest.json").read_text())
+    return read_manifest(step_dir)
 
 
 class Mesh:

@@ -1,0 +1,157 @@
+"""The manifest in parts (``goat_dist/checkpoint/manifest.py``): a rank of a resume reads the top manifest and
+the part listing its own files, so what it reads of the manifest does not grow with the world; each part is
+checked (its sha256, its save) and named when wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from goat_dist.checkpoint import manifest as manifest_file
+from goat_dist.checkpoint.digests import listing, read_checked, read_manifest, verify
+from goat_dist.checkpoint.errors import CheckpointError
+from goat_dist.checkpoint.manager import write_manifest
+
+RUN_FILES = {
+    "trainer_state.json": {"bytes": 300, "sha256": "1" * 64},
+    "config.yaml": {"bytes": 2000, "sha256": "2" * 64},
+    "universal/index.json": {"bytes": 140000, "sha256": "3" * 64},
+}
+
+
+def world_files(world: int) -> dict:
+    """The digests a save of ``world`` ranks records: the run files and each rank's two files."""
+    files = dict(RUN_FILES)
+    for rank in range(world):
+        files[f"universal/rank{rank:05d}.safetensors"] = {
+            "bytes": 700_000_000 + rank,
+            "sha256": f"{rank:064x}",
+            "header_sha256": f"{rank + 1:064x}",
+        }
+        files[f"rng_rank{rank}.pt"] = {"bytes": 1500, "sha256": f"{rank + 2:064x}"}
+    return files
+
+
+class Opens:
+    """The files under ``root`` this process opens (Python's audit hook sees every open)."""
+
+    hooked: list[Opens] = []
+    installed = False  # an audit hook cannot be removed: one for the process
+
+    def __init__(self, root: Path):
+        self.root, self.opened = str(root), []
+        if not Opens.installed:
+            sys.addaudithook(Opens._audit)
+            Opens.installed = True
+        Opens.hooked.append(self)
+
+    @staticmethod
+    def _audit(event: str, args) -> None:
+        if event == "open" and isinstance(args[0], (str, os.PathLike)) and Opens.hooked:
+            watch, path = Opens.hooked[-1], os.fspath(args[0])
+            if path.startswith(watch.root + "/"):
+                watch.opened.append(path[len(watch.root) + 1 :])
+
+    def bytes(self) -> int:
+        return sum((Path(self.root) / name).stat().st_size for name in set(self.opened))
+
+
+def resume_lookups(step_dir: Path, rank: int) -> tuple[list[str], int]:
+    """What a resuming rank does with the manifest: read it and look up its run and state files' digests.
+    Returns (files opened, their bytes)."""
+    watch = Opens(step_dir)
+    try:
+        manifest = read_manifest(step_dir)
+        for name in ("trainer_state.json", "universal/index.json", f"rng_rank{rank}.pt"):
+            assert manifest["files"][name]["bytes"] > 0
+        own = manifest["files"][f"universal/rank{rank:05d}.safetensors"]
+        assert own["sha256"] == f"{rank:064x}"
+    finally:
+        Opens.hooked.remove(watch)
+    return watch.opened, watch.bytes()
+
+
+def test_a_rank_reads_the_manifest_of_its_own_files_whatever_the_world(tmp_path):
+    """A fake world of 64 and of 512 ranks: each sampled rank opens manifest.json and the one part listing
+    its 8 ranks' files, ~3.3 KB in all at either size, where the single listing of every file that earlier
+    releases wrote (and every rank read) is 23 KB at 64 and 185 KB at 512."""
+    read: dict[int, list[int]] = {}
+    whole: dict[int, int] = {}
+    for world in (64, 512):
+        step_dir = tmp_path / f"world{world}"
+        step_dir.mkdir()
+        files = world_files(world)
+        write_manifest(step_dir, {"step": 7, "saved_at": 0.0}, files=files)
+        whole[world] = len(json.dumps({"files": files, "step": 7, "saved_at": 0.0}, indent=1))
+        read[world] = []
+        for rank in (0, 9, world // 2 + 3, world - 1):
+            opened, size = resume_lookups(step_dir, rank)
+            part = manifest_file.part_name(rank // manifest_file.RANKS_PER_PART)
+            assert opened == ["manifest.json", part], f"world {world} rank {rank}: {opened}"
+            read[world].append(size)
+        assert dict(read_manifest(step_dir)["files"]) == files  # nothing lost in the split
+    print(f"manifest read per rank: world 64 {read[64]} B, world 512 {read[512]} B; one listing: {whole}")
+    assert max(read[512]) <= max(read[64]) + 64  # a few digits longer: no growth with the world
+    assert max(read[512]) < 5_000 and whole[512] > 40 * max(read[512])
+
+
+def test_a_wrong_part_is_named_and_refused(tmp_path):
+    """A corrupt part, a missing one and one left by another save are each a CheckpointError naming the
+    part and the ranks it lists; the ranks of other parts read on; ``verify`` also finds two parts swapped
+    (each intact)."""
+    step_dir, other = tmp_path / "a", tmp_path / "b"
+    for d in (step_dir, other):
+        d.mkdir()
+        write_manifest(d, {"step": 7}, files=world_files(32))
+    part1 = step_dir / manifest_file.part_name(1)
+    text = part1.read_text()
+    part1.write_text(text.replace(f"{9:064x}", f"{99:064x}"))
+    named = r"digests/ranks_000008\.json \(the digests of ranks 8-15's files\) does not match its sha256"
+    with pytest.raises(CheckpointError, match=named):
+        read_manifest(step_dir)["files"]["rng_rank9.pt"]
+    assert read_manifest(step_dir)["files"]["rng_rank17.pt"]["bytes"] == 1500  # another part: unaffected
+    part1.unlink()
+    with pytest.raises(CheckpointError, match=r"step 7\): digests/ranks_000008\.json .* is missing"):
+        read_manifest(step_dir)["files"]["universal/rank00008.safetensors"]
+    shutil.copy(other / manifest_file.part_name(1), part1)  # the same listing, from another save
+    with pytest.raises(CheckpointError, match=r"ranks_000008\.json .* belongs to another save"):
+        read_manifest(step_dir)["files"]["rng_rank8.pt"]
+    shutil.copy(step_dir / manifest_file.part_name(2), part1)  # intact, of this save, in the wrong place
+    with pytest.raises(CheckpointError, match=r"digests/ parts are not the ones its manifest\.json records"):
+        read_manifest(step_dir)["files"].check_parts()
+
+
+def test_verify_reads_every_part_and_an_earlier_manifest_is_read_as_it_is(tmp_path):
+    """``verify`` checks every file of every part (a corrupt rank file is named); ``listing`` leaves the
+    parts out, as it leaves the manifest; a manifest of an earlier release (every file in ``files``) reads
+    the same."""
+    for rank in range(10):
+        (tmp_path / f"rng_rank{rank}.pt").write_bytes(bytes([rank]) * (100 + rank))
+    (tmp_path / "trainer_state.json").write_text('{"step": 7}')
+    write_manifest(tmp_path, {"step": 7})
+    assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == [
+        "ranks_000000.json",
+        "ranks_000008.json",
+    ]
+    assert sorted(listing(tmp_path)) == sorted(
+        [f"rng_rank{r}.pt" for r in range(10)] + ["trainer_state.json"]
+    )
+    assert len(verify(tmp_path)["files"]) == 11
+    (tmp_path / "rng_rank9.pt").write_bytes(bytes([1]) * 109)
+    with pytest.raises(CheckpointError, match=r"rng_rank9\.pt"):
+        verify(tmp_path)
+    with pytest.raises(CheckpointError, match=r"rng_rank9\.pt does not match its sha256"):
+        read_checked(tmp_path, "rng_rank9.pt", read_manifest(tmp_path))
+    files = dict(read_manifest(tmp_path)["files"])
+    shutil.rmtree(tmp_path / "digests")
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files, "step": 7}))
+    earlier = read_manifest(tmp_path)
+    assert dict(earlier["files"]) == files and earlier["step"] == 7
+    assert read_checked(tmp_path, "rng_rank3.pt", earlier) == bytes([3]) * 103
+    with pytest.raises(CheckpointError, match=r"rng_rank10\.pt is not in its manifest\.json"):
+        read_checked(tmp_path, "rng_rank10.pt", earlier)
