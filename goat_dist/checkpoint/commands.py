@@ -28,6 +28,7 @@ def cmd_inspect(args) -> int:
                 0: "DeepSpeed shards only, not readable",
                 1: "one file per TP rank",
                 2: "one file per rank",
+                3: "one file per rank, index by rules",
             }
             name = kind.get(info["format"], "unknown")
             print(f"files {info['files']} | {size:.1f} MiB | format {info['format']} ({name})")

@@ -6,10 +6,12 @@ Why: a universal resume used to build the whole TP-merged fp32 model and both Ad
 
 Which files: ``universal/index.json`` says, per parameter, how the saved ranks split its TP-local tensor
 into pieces: a rule for ZeRO-3 and the replicated layouts (``even``: replica i holds elements
-``[i * P, (i + 1) * P)``; ``share``: ``[n * i // R, n * (i + 1) // R)``), a list for ZeRO-1/2 (whose
-pieces follow the optimizer's flat groups; about one per parameter plus one per rank), and ``grid[t][i]``
-names the file of TP rank t's replica i. So a rank finds its pieces without reading every rank's: the
-index is O(parameters + ranks), where the full list of ``meta.json`` (written by earlier releases, no
+``[i * P, (i + 1) * P)``; ``share``: ``[n * i // R, n * (i + 1) // R)``; ``flat`` for ZeRO-1/2, whose
+pieces follow the optimizer's flat groups: a run of consecutive replicas, ``flat_spans``), a list only
+where no rule fits, and ``grid[t][i]`` names the file of TP rank t's replica i (format 3: the rule
+``tp_inner``, rank ``i * tp + t``, and file names ``file_name(rank)``). So a rank finds its pieces without
+reading every rank's: the index is O(parameters) (format 2, listing files, grid and ZeRO-1/2's pieces:
+O(parameters + ranks)), where the full list of ``meta.json`` (written by earlier releases, no
 longer) is O(parameters x ranks): 213k pieces, 4.4 MB, ~100 MB parsed, at 30B on 512 ranks under ZeRO-3.
 
 How ranges map: on the TP size that saved it, a local flat range is the same flat range of the saved
@@ -42,6 +44,7 @@ import copy
 import json
 import math
 import resource
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -52,6 +55,56 @@ from .tensor_file import CHECKSUMS, TensorFile
 
 INDEX = "index.json"
 META = "meta.json"
+
+
+def file_name(rank: int) -> str:
+    """The state file global rank ``rank`` writes, inside ``universal/``."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def flat_spans(rule: list, numel: int, first: int = 0, last: int | None = None) -> dict[int, tuple[int, int]]:
+    """{replica: (start, numel)} of a ZeRO-1/2 parameter of ``numel`` elements under the index's ``flat``
+    rule ``[i0, head, part]``: its flat group's partitions hold it on consecutive replicas from ``i0``,
+    the first ``head`` elements, each next one ``part`` more (the last what is left); only the replicas in
+    ``[first, last)`` (None: all)."""
+    i0, head, part = (int(v) for v in rule)
+    count = 1 + (-(-(numel - head) // part) if numel > head else 0)
+    out = {}
+    for i in range(max(first, i0), i0 + count if last is None else min(last, i0 + count)):
+        a = 0 if i == i0 else head + (i - i0 - 1) * part
+        z = head if i == i0 else min(numel, head + (i - i0) * part)
+        out[i] = (a, z - a)
+    return out
+
+
+class _RankFiles(Sequence):
+    """``universal/file_name(r)`` for every rank r of a ``world``: the index's file list as a rule."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, rank: int) -> str:  # type: ignore[override]  # ints only: never sliced
+        if not 0 <= rank < self.world:
+            raise IndexError(rank)
+        return f"universal/{file_name(rank)}"
+
+
+class _TpInner(Sequence):
+    """Row ``t`` of the index's grid as a rule: saved replica i's file is rank ``i * tp + t``'s."""
+
+    def __init__(self, t: int, tp: int, replicas: int):
+        self.t, self.tp, self.replicas = t, tp, replicas
+
+    def __len__(self) -> int:
+        return self.replicas
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]  # ints only: never sliced
+        if not 0 <= i < self.replicas:
+            raise IndexError(i)
+        return i * self.tp + self.t
 
 
 def tensor_key(name: str, key: str) -> str:
@@ -88,18 +141,28 @@ class UniversalReader:
             raise CheckpointError(f"{self.where}{self.index_name} is not valid JSON: {e}") from None
         self.format = int(self.meta.get("format", 1))
         self.saved_tp = int(self.meta["tp"])
+        self.paths: Sequence[str]
         if self.format == 1:
             self.paths = [f"universal/tp{r:02d}.safetensors" for r in range(self.saved_tp)]
             own = self._file(self.paths[min(tp_rank, self.saved_tp - 1)])
             self.shapes = {k: own.shape(k) for k in own.names() if k != CHECKSUMS}
-        elif self.format == 2:
-            self.paths = [f"universal/{name}" for name in self.meta["files"]]
+        elif self.format in (2, 3):
+            listed = self.meta.get("files")
+            self.paths = (
+                [f"universal/{name}" for name in listed]
+                if listed is not None
+                else _RankFiles(int(self.meta["world"]))
+            )
             self.shapes = {name: list(m["shape"]) for name, m in self.meta["params"].items()}
-            self.grid = self.meta.get("grid")
+            grid = self.meta.get("grid")
+            if isinstance(grid, dict):  # format 3's rule (universal._grid_rule)
+                replicas = int(self.meta["replicas"])
+                grid = [_TpInner(t, self.saved_tp, replicas) for t in range(self.saved_tp)]
+            self.grid = grid
         else:
             raise CheckpointError(
                 f"{self.step_dir}: {self.index_name} is format {self.format}; this goat-dist reads "
-                "formats 1 and 2 (a newer goat-dist wrote it: upgrade to resume from it)"
+                "formats 1 to 3 (a newer goat-dist wrote it: upgrade to resume from it)"
             )
 
     # ---- files ----------------------------------------------------------------------------------------
@@ -136,7 +199,7 @@ class UniversalReader:
     def can_exchange(self) -> bool:
         """Whether this checkpoint can be read by file on this TP size (``Exchange``): the index's grid of
         files, and the TP size that saved it."""
-        return self.format == 2 and self.grid is not None and self.saved_tp == self.tp
+        return self.format >= 2 and self.grid is not None and self.saved_tp == self.tp
 
     def files_for(self, owned) -> int:
         """How many files a direct read of ``owned`` ((parameter, start, numel) ranges) opens (none is)."""
@@ -164,6 +227,12 @@ class UniversalReader:
                 size = int(rule["even"])
                 first, last = lo // size, min(count, -(-hi // size))
                 bounds = [(i, i * size, min(n, (i + 1) * size)) for i in range(first, last)]
+            elif "flat" in rule:
+                i0, head, part = (int(v) for v in rule["flat"])
+                first = i0 if lo < head else i0 + 1 + (lo - head) // part
+                last = i0 + 1 if hi <= head else i0 + 2 + (hi - 1 - head) // part
+                spans = flat_spans(rule["flat"], n, first, min(last, count))
+                bounds = [(i, a, a + k) for i, (a, k) in spans.items()]
             else:
                 first = max(0, lo * count // n - 1) if n else 0
                 bounds = []
@@ -457,6 +526,9 @@ class Exchange:
                 if "even" in rule:
                     size = int(rule["even"])
                     a, z = min(n, i * size), min(n, (i + 1) * size)
+                elif "flat" in rule:
+                    a, k = flat_spans(rule["flat"], n, i, i + 1).get(i, (0, 0))
+                    z = a + k
                 else:
                     a, z = n * i // self.count, n * (i + 1) // self.count
                 spans = [(a, z - a)] if z > a else []

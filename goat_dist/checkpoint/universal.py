@@ -1,20 +1,24 @@
 """The checkpoint's model + optimizer state, written once, each rank its own share; read on any layout.
 
-Format 2 (this release). Inside each checkpoint, ``universal/rank<R>.safetensors`` is written by global
-rank R and holds only what R holds: for each parameter, the flat range of its TP-local tensor that R's
-optimizer partition owns, for the fp32 master and Adam's ``exp_avg`` / ``exp_avg_sq`` (read from wherever
-DeepSpeed keeps them, ``engine.masters``: never the bf16 forward weights). No rank gathers anything: under
-ZeRO-1/2/3 the partitions are disjoint over data x context parallelism; without ZeRO every replica holds
-the whole TP slice, so each writes an even 1/(dp x cp) of every parameter's flat range. The TP slices of
-parameters that TP does not split (norms, the GOAT prior) are written by every TP rank (each its own, so
-a same-layout resume restores every rank's exact values; they are a small part of the state).
+Format 3 (this release; format 2 with the index's rules below). Inside each checkpoint,
+``universal/rank<R>.safetensors`` is written by global rank R and holds only what R holds: for each parameter,
+the flat range of its TP-local tensor that R's optimizer partition owns, for the fp32 master and Adam's
+``exp_avg`` / ``exp_avg_sq`` (read from wherever DeepSpeed keeps them, ``engine.masters``: never the bf16
+forward weights). No rank gathers anything: under ZeRO-1/2/3 the partitions are disjoint over data x context
+parallelism; without ZeRO every replica holds the whole TP slice, so each writes an even 1/(dp x cp) of every
+parameter's flat range. The TP slices of parameters that TP does not split (norms, the GOAT prior) are written
+by every TP rank (each its own, so a same-layout resume restores every rank's exact values; they are a small
+part of the state).
 
 ``universal/index.json`` (rank 0, after gathering the small piece lists) records how each parameter is
 split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and its TP-local shape, how
-the saved ranks cut each (parameter, TP rank) into pieces (a rule, or for ZeRO-1/2 a short list) and which
-file holds each piece (``slices.py``), and the optimizer counters a bitwise resume needs: Adam's step, the
-LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves the trainer's step but
-none of these). It is O(parameters + ranks): at 30B on 512 ranks, 142 KB. Earlier releases also wrote
+the saved ranks cut each (parameter, TP rank) into pieces (a rule: ZeRO-3's ``even``, the replicated
+layouts' ``share``, ZeRO-1/2's ``flat``; a list only where none fits) and which file holds each piece
+(``grid``: a rule too, ``tp_inner``; ``slices.py``), and the optimizer counters a bitwise resume needs:
+Adam's step, the LR schedule's step and DeepSpeed's step counters (a dropped non-finite step moves the
+trainer's step but none of these). It is O(parameters), the same at any world size: at 30B, 128 KB on
+64 or 512 ranks (format 2 listed the files, grid and ZeRO-1/2's pieces: 142 KB under ZeRO-3 and 159 KB
+under ZeRO-1 at 512, +27 and +55 bytes a rank). Earlier releases also wrote
 ``universal/meta.json``, the same with every piece listed (O(parameters x ranks): 4.4 MB at 30B on 512
 ranks, written by rank 0 inside every save's pause); none is written now, and a checkpoint that has only
 ``meta.json`` (format 2 before the index, format 1) is still read through it. Each file carries block
@@ -52,7 +56,7 @@ from ..engine.zero3 import full_shape
 from . import tensor_file
 from .digests import gather, raise_everywhere
 from .errors import CheckpointError
-from .slices import INDEX, META, Exchange, UniversalReader, tensor_key
+from .slices import INDEX, META, Exchange, UniversalReader, file_name, flat_spans, tensor_key
 
 __all__ = [
     "FORMAT",
@@ -72,7 +76,7 @@ __all__ = [
     "write_share",
 ]
 
-FORMAT = 2
+FORMAT = 3
 
 
 def layout_of(engine):
@@ -93,7 +97,7 @@ def require_state(step_dir: Path, purpose: str, manifest: dict | None = None) ->
         raise CheckpointError(
             f"checkpoint {step_dir} has no universal/ state: it is a format-0 checkpoint (DeepSpeed's own "
             "shards only, saved with checkpoint.universal=false by an earlier goat-dist). This release reads "
-            f"formats 1 and 2 and cannot {purpose}. Resume it once with the release that wrote it and "
+            f"formats 1 to 3 and cannot {purpose}. Resume it once with the release that wrote it and "
             "checkpoint.universal=true, save, then continue with this one"
         )
 
@@ -104,10 +108,6 @@ def split_meta(p) -> dict:
         "dim": int(getattr(p, "partition_dim", 0)),
         "stride": int(getattr(p, "partition_stride", 1)),
     }
-
-
-def file_name(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
 
 
 def _replica(model) -> tuple[int, int]:
@@ -202,9 +202,10 @@ def counters(engine, masters, step: int) -> dict:
 
 def _fit(pieces: dict[int, dict[int, tuple[int, int]]], numel: int, tp: int, replicas: int) -> dict | None:
     """The rule that gives exactly ``pieces`` ({TP rank: {replica: (start, numel)}}, empty ones left out)
-    on every TP rank: ``even`` (ZeRO-3: equal partitions, the last short or empty) or ``share`` (the
-    replicated layouts' ``_share``); None when neither does (ZeRO-1/2: the pieces are listed)."""
-    candidates = []
+    on every TP rank: ``even`` (ZeRO-3: equal partitions, the last short or empty), ``share`` (the
+    replicated layouts' ``_share``) or ``flat`` (ZeRO-1/2: the parameter's run of consecutive replicas in
+    its flat group, ``slices.flat_spans``); None when none does (its pieces are listed)."""
+    candidates: list[tuple[dict, dict[int, tuple[int, int]]]] = []
     first = pieces.get(0, {}).get(0)
     if first is not None and first[0] == 0:
         size = first[1]
@@ -213,11 +214,27 @@ def _fit(pieces: dict[int, dict[int, tuple[int, int]]], numel: int, tp: int, rep
         }
         candidates.append(({"even": size}, even))
     candidates.append(({"share": replicas}, {i: _share(0, numel, i, replicas) for i in range(replicas)}))
+    held = sorted(pieces.get(0, {}).items())
+    if held:
+        (i0, (_, head)), tail = held[0], held[1:]
+        flat = [i0, head, tail[0][1][1] if tail else max(numel - head, 1)]
+        candidates.append(({"flat": flat}, flat_spans(flat, numel)))
     for rule, want in candidates:
         want = {i: v for i, v in want.items() if v[1] > 0}
         if all(pieces.get(t, {}) == want for t in range(tp)):
             return rule
     return None
+
+
+def _grid_rule(grid: list | None, files: list[str], tp: int) -> tuple[dict | list | None, list[str] | None]:
+    """(grid, files) as the index writes them: rules (``{"tp_inner": true}``: the file of TP rank t's
+    replica i is rank ``i * tp + t``'s; no file list: rank r wrote ``file_name(r)``) where they give
+    exactly what was gathered, so the index does not grow with the world; else the lists."""
+    named = [file_name(r) for r in range(len(files))]
+    listed = None if files == named else files
+    if grid is not None and all(f == i * tp + t for t, row in enumerate(grid) for i, f in enumerate(row)):
+        return {"tp_inner": True}, listed
+    return grid, listed
 
 
 def index_record(params: dict, gathered: list, tp: int, saved: dict) -> dict:
@@ -248,8 +265,11 @@ def index_record(params: dict, gathered: list, tp: int, saved: dict) -> dict:
                 by_place.setdefault(t, {})[int(gathered[f].get("replica", 0))] = (start, numel)
             rule = _fit(by_place, math.prod(m["shape"]), tp, replicas)
         compact[name] = rule if rule is not None else table[name]
-    head = {"format": FORMAT, "tp": tp, **saved, "params": params, "files": files}
-    return {**head, "replicas": replicas, "grid": grid, "pieces": compact}
+    grid_rule, listed = _grid_rule(grid, files, tp)
+    head = {"format": FORMAT, "tp": tp, **saved, "params": params, "world": len(files)}
+    if listed is not None:
+        head["files"] = listed
+    return {**head, "replicas": replicas, "grid": grid_rule, "pieces": compact}
 
 
 def write_index(out: Path, params: dict, gathered: list, tp: int, saved: dict) -> None:
@@ -384,9 +404,9 @@ def _stage_change(reader: UniversalReader, masters) -> bool:
     """Whether the checkpoint's partitions and this engine's are of the two kinds a ZeRO-stage change
     crosses: per parameter (ZeRO-3, and the replicated layouts' even shares) and flat (ZeRO-1/2's groups,
     listed in the index)."""
-    if reader.format != 2 or masters.replicated:
+    if reader.format < 2 or masters.replicated:
         return False
-    flat_saved = any(isinstance(rule, list) for rule in reader.meta["pieces"].values())
+    flat_saved = any(isinstance(rule, list) or "flat" in rule for rule in reader.meta["pieces"].values())
     return flat_saved == isinstance(masters, Zero3)
 
 

@@ -134,6 +134,10 @@ def main(out: str, workdir: str, stage: int, precision: str, tp: int = 1) -> Non
         dist.all_gather(gathered, torch.tensor([float(value)], dtype=torch.float64))
         result[key] = [float(g) for g in gathered]
     if layout.rank == 0:
+        index = json.loads((step_dir / "universal" / "index.json").read_text())
+        rules = index["pieces"].values()
+        result["index_rules"] = sorted({next(iter(r)) if isinstance(r, dict) else "list" for r in rules})
+        result["index_grid"] = index["grid"]
         Path(out).write_text(json.dumps(result))
     distributed.exit_process(0)
 

@@ -315,10 +315,11 @@ def params_30b(world1):
 def test_the_30b_config_on_512_ranks_finds_its_pieces_in_a_small_index(params_30b, tmp_path):
     """configs/models/goat_30b.yaml (963 parameters, 30.0B elements) saved by TP=1 x DP=512 under ZeRO-3,
     planned without its 360 GB (tests/workers/share_reads.py: the real index writer and reader over
-    stand-in files): index.json is 142 KB and parses into 0.6 MB, where the full list earlier releases wrote
+    stand-in files): index.json is 128 KB and parses into 0.6 MB, where the full list earlier releases wrote
     beside it (meta.json, no longer written) is 4.4 MB and ~100 MB parsed; what rank 0 writes of the state
-    but its share grows by 27 bytes per rank from DP=64 to DP=512 (its file's name and grid cell; with the
-    full list it grew by 8.1 KB per rank, a piece of every parameter); on the same layout a rank opens its
+    but its share, and every rank reads, does not grow from DP=64 to DP=512 (128,331 and 128,075 B: the
+    files' names and grid are rules; listed, they grew by 27 B per rank, 142 KB at 512; with the full list
+    8.1 KB per rank, a piece of every parameter); on the same layout a rank opens its
     own file alone and reads 1.0005-1.0007 x its share (its header and checksums); at DP=1024 and DP=256
     each rank opens the <= 2 files holding its ranges, once each, and reads <= 1.006 x its share (1.0050 at
     DP=1024 rank 1, half of each saved piece: 1.0049 before the row-aligned checksums of the row-parallel
@@ -344,7 +345,8 @@ def test_the_30b_config_on_512_ranks_finds_its_pieces_in_a_small_index(params_30
     per_rank = (written[512] - written[64]) / (512 - 64)
     full_per_rank = (meta_bytes - manifest64["meta_json_bytes"]) / (512 - 64)
     print(f"rank 0 writes {written[64]:,} B at DP=64, +{per_rank:.1f} B per rank (was {full_per_rank:,.0f})")
-    assert per_rank < 40 and full_per_rank > 4000
+    assert per_rank < 1 and full_per_rank > 4000
+    assert "files" not in index and index["grid"] == {"tp_inner": True}
     assert all(isinstance(rule, dict) for rule in index["pieces"].values())  # ZeRO-3: one rule each
     for dp, ranks, most in ((512, (0, 1, 63, 64, 511), 1), (1024, (0, 1, 1023), 2), (256, (255,), 2)):
         for rank in ranks:
@@ -382,13 +384,17 @@ def test_the_30b_config_on_512_ranks_changes_zero_stage_opening_one_file_per_ran
     """configs/models/goat_30b.yaml planned at DP=512 (tests/workers/share_reads.py), saved at ZeRO-1 and
     resumed at ZeRO-3 and the other way, read by file (``slices.Exchange``): sampled ranks open one state
     file (<= 2 asked) and read <= 1.1 x their share (measured 1.0000-1.0008); read directly they open
-    98-512 and read up to 2.7 x."""
+    98-512 and read up to 2.7 x. The ZeRO-1 index gives every parameter's pieces as a rule (``flat``: its
+    run of partitions), so it grows only by digits from DP=64 to DP=512 (136,234 -> 138,127 B, 4 B per
+    rank; listed: 134,337 -> 159,166 B, 55 B per rank)."""
     from workers import share_reads
 
     params = params_30b
+    share_reads.plan_world(tmp_path / "zero1-dp64", params, 64, stage=1)
+    sizes = {64: (tmp_path / "zero1-dp64" / "universal" / "index.json").stat().st_size}
     for saved, stage in ((1, 3), (3, 1)):
         root = tmp_path / f"zero{saved}"
-        _, manifest = share_reads.plan_world(root, params, 512, stage=saved)
+        index, manifest = share_reads.plan_world(root, params, 512, stage=saved)
         for rank in (0, 255):  # rank 255 of ZeRO-1 asks all 512 readers
             plan = share_reads.plan_rank(root, params, manifest, 512, rank, stage=stage, by_file=True)
             ratio = plan["bytes"] / plan["share_bytes"]
@@ -396,6 +402,11 @@ def test_the_30b_config_on_512_ranks_changes_zero_stage_opening_one_file_per_ran
                   f"asks {plan['peers']} ranks")  # fmt: skip
             assert plan["files"] == [f"universal/rank{rank:05d}.safetensors"], plan["files"]
             assert ratio <= 1.1, f"ZeRO {saved} -> {stage} rank {rank}: {ratio:.3f} x its share"
+        if saved == 1:
+            sizes[512] = (root / "universal" / "index.json").stat().st_size
+            assert all(isinstance(rule, dict) for rule in index["pieces"].values())  # none listed
+    print(f"ZeRO-1 index.json: {sizes[64]:,} B at DP=64, {sizes[512]:,} B at DP=512")
+    assert sizes[512] <= sizes[64] + 8 * (512 - 64), sizes
 
 
 EVAL_MODEL = [  # 330 MiB of fp32 weights, the largest tensor 12 MiB

@@ -58,8 +58,8 @@ def test_a_newer_format_is_refused_naming_its_version(tmp_path):
     from goat_dist.checkpoint.slices import UniversalReader
 
     (tmp_path / "universal").mkdir()
-    (tmp_path / "universal" / "meta.json").write_text(json.dumps({"format": 3, "tp": 1}))
-    with pytest.raises(CheckpointError, match=r"meta.json is format 3; this goat-dist reads formats 1 and 2"):
+    (tmp_path / "universal" / "meta.json").write_text(json.dumps({"format": 4, "tp": 1}))
+    with pytest.raises(CheckpointError, match=r"meta.json is format 4; this goat-dist reads formats 1 to 3"):
         UniversalReader(tmp_path, 1, 0)
 
 

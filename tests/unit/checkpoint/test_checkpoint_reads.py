@@ -63,6 +63,18 @@ def ragged(numel: int, count: int, i: int) -> tuple[int, int]:
     return cuts[i], cuts[i + 1] - cuts[i]
 
 
+def flat_group(sizes: dict[str, int], count: int, i: int) -> dict[str, tuple[int, int]]:
+    """{name: (start, numel)} of replica ``i``'s partition of one ZeRO-1/2 flat group: the parameters of
+    ``sizes`` flattened in order and cut into ``count`` equal partitions (the last short)."""
+    part = -(-sum(sizes.values()) // count)
+    out, offset = {}, 0
+    for name, n in sizes.items():
+        a, z = max(offset, i * part), min(offset + n, (i + 1) * part)
+        out[name] = (a - offset, max(z - a, 0))
+        offset += n
+    return out
+
+
 def write_checkpoint(step_dir, tp: int, dp: int, cut=even, step: int = 3) -> dict:
     """The universal state of a TP x DP world written by the real writer (each rank its pieces, rank 0 the
     index), with a manifest holding each file's digests as the save records them."""
@@ -76,9 +88,10 @@ def write_checkpoint(step_dir, tp: int, dp: int, cut=even, step: int = 3) -> dic
     for rank in range(tp * dp):
         t, i = rank % tp, rank // tp
         pieces = []
+        sizes = {name: math.prod(params[name]["shape"]) for name in SPLITS}
         for name in SPLITS:
-            n = math.prod(params[name]["shape"])
-            start, numel = cut(n, dp, i)
+            n = sizes[name]
+            start, numel = flat_group(sizes, dp, i)[name] if cut is flat_group else cut(n, dp, i)
             if numel > 0:
                 dest = {k: local_value(name, k, tp, t).reshape(-1)[start : start + numel] for k in KEYS}
                 pieces.append((name, start, numel, dest))
@@ -151,7 +164,9 @@ def test_a_file_without_checksums_is_checked_whole_when_opened(tmp_path):
 def test_the_index_is_a_rule_per_parameter_where_one_fits(tmp_path):
     write_checkpoint(tmp_path / "zero3", tp=2, dp=8)
     index = json.loads((tmp_path / "zero3" / "universal" / "index.json").read_text())
-    assert index["replicas"] == 8 and len(index["grid"]) == 2 and index["grid"][1][3] == 7  # rank 7: t1, i3
+    assert index["replicas"] == 8 and index["grid"] == {"tp_inner": True} and "files" not in index
+    with UniversalReader(tmp_path / "zero3", 2, 1) as reader:  # the rules: rank 7 is t1, i3; its file
+        assert reader.grid[1][3] == 7 and reader.paths[7] == "universal/rank00007.safetensors"
     assert all(isinstance(rule, dict) and "even" in rule for rule in index["pieces"].values())
     assert sorted(p.name for p in (tmp_path / "zero3" / "universal").glob("*.json")) == ["index.json"]
     write_checkpoint(tmp_path / "share", tp=1, dp=3, cut=lambda n, c, i: universal._share(0, n, i, c))
@@ -161,9 +176,13 @@ def test_the_index_is_a_rule_per_parameter_where_one_fits(tmp_path):
     write_checkpoint(tmp_path / "ragged", tp=1, dp=4, cut=ragged)
     index = json.loads((tmp_path / "ragged" / "universal" / "index.json").read_text())
     assert all(isinstance(rule, list) for rule in index["pieces"].values())
+    write_checkpoint(tmp_path / "flat", tp=2, dp=5, cut=flat_group)  # ZeRO-1/2: a run of replicas each
+    index = json.loads((tmp_path / "flat" / "universal" / "index.json").read_text())
+    assert all(isinstance(rule, dict) for rule in index["pieces"].values())  # none listed: O(parameters)
+    assert index["pieces"]["big"] == {"flat": [0, 1088, 1264]}  # replica 0 holds 1,088 of it, 1-4 1,264
 
 
-@pytest.mark.parametrize("cut", [even, ragged], ids=["zero3", "ragged"])
+@pytest.mark.parametrize("cut", [even, ragged, flat_group], ids=["zero3", "ragged", "zero1"])
 @pytest.mark.parametrize("saved_tp", [1, 2, 4])
 @pytest.mark.parametrize("new_tp", [1, 2, 4])
 def test_the_index_finds_every_range_on_any_layout(saved_tp, new_tp, cut, tmp_path):
@@ -201,6 +220,42 @@ def test_a_corrupt_file_stops_only_its_readers_and_is_named(tmp_path):
     with UniversalReader(tmp_path, 1, 0, manifest) as reader:
         with pytest.raises(CheckpointError, match=r"universal/rank00002.safetensors is missing"):
             reader.read_local("norm")
+
+
+def test_a_format_2_index_listing_files_grid_and_pieces_reads_the_same(tmp_path):
+    """The index of the release before (format 2: file names, grid and ZeRO-1/2's pieces listed, each
+    piece as ``[TP rank, start, numel, file]``) reads every range as format 3's rules do: the ``flat``
+    rule expanded (``slices.flat_spans``) is exactly the pieces the ranks wrote."""
+    from goat_dist.checkpoint.slices import flat_spans
+
+    manifest = write_checkpoint(tmp_path, tp=2, dp=5, cut=flat_group)
+    path = tmp_path / "universal" / "index.json"
+    index = json.loads(path.read_text())
+    assert index["format"] == 3 and any("flat" in rule for rule in index["pieces"].values())
+    tp, replicas = index["tp"], index["replicas"]
+    index["files"] = [universal.file_name(r) for r in range(index.pop("world"))]
+    index["grid"] = [[i * tp + t for i in range(replicas)] for t in range(tp)]
+    for name, rule in index["pieces"].items():
+        if "flat" in rule:
+            n = math.prod(index["params"][name]["shape"])
+            spans = flat_spans(rule["flat"], n).items()
+            index["pieces"][name] = [[t, a, k, i * tp + t] for t in range(tp) for i, (a, k) in spans if k]
+    index["format"] = 2
+    path.write_text(json.dumps(index))
+    write_manifest(
+        tmp_path, {"step": 3}, files={**dict(manifest["files"]), "universal/index.json": digest(path)}
+    )
+    for new_tp in (1, 2):
+        for rank in range(new_tp):
+            with UniversalReader(tmp_path, new_tp, rank, read_manifest(tmp_path)) as reader:
+                assert reader.format == 2 and isinstance(reader.grid, list)
+                for name in SPLITS:
+                    for key in KEYS:
+                        flat = local_value(name, key, new_tp, rank).reshape(-1)
+                        assert torch.equal(reader.read_local(name, key).reshape(-1), flat), (name, key)
+                        n = flat.numel()
+                        got = reader.read_flat(name, key, n // 3, n // 3 + 1)
+                        assert torch.equal(got, flat[n // 3 : 2 * (n // 3) + 1]), (name, key)
 
 
 def test_an_earlier_format_2_checkpoint_is_read_through_meta_json_and_checked_whole(tmp_path):

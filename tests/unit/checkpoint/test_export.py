@@ -36,7 +36,7 @@ def test_export_load_logits_match_training_model(world1, tmp_path, lanes):
     state = {"step": 3, "run_state": {}, "world": 1, "tp": 1, "dp": 1, "zero_stage": 0}
     manager.save(engine, state, yaml.safe_dump(cfg.to_dict()))
     info = inspect(tmp_path / "run")
-    assert info["valid"] and info["step"] == 3 and info["universal"] and info["format"] == 2
+    assert info["valid"] and info["step"] == 3 and info["universal"] and info["format"] == 3
     # the format read from index.json: no meta.json (every piece listed) is written any more
     assert not list((tmp_path / "run").rglob("meta.json"))
 
