@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .. import collectives
@@ -35,7 +36,17 @@ from .errors import CheckpointError
 from .manifest import PARTS, Manifest
 from .names import MANIFEST
 
-__all__ = ["digest_files", "gather", "listing", "raise_everywhere", "read_checked", "shares", "verify"]
+__all__ = [
+    "any_rank",
+    "digest_files",
+    "gather",
+    "listing",
+    "raise_everywhere",
+    "read_checked",
+    "same_everywhere",
+    "shares",
+    "verify",
+]
 
 
 def _world() -> tuple[int, int]:
@@ -85,10 +96,35 @@ def _raise_first(errors: list[str]) -> None:
             raise CheckpointError(found + (f" (found on rank {rank})" if len(errors) > 1 else ""))
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is set on any rank (one 1-element all-reduce)."""
+    _, world = _world()
+    if world == 1:
+        return bool(flag)
+    found = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    collectives.all_reduce(found, "max")
+    return bool(found.item())
+
+
 def raise_everywhere(error: str) -> None:
     """Collective: if any rank found an ``error``, every rank raises the same CheckpointError (the lowest
-    failing rank's message), so all stop together and none loads a partial checkpoint or hangs later."""
-    _raise_first(gather(error or ""))
+    failing rank's message), so all stop together and none loads a partial checkpoint or hangs later.
+    Without one, a 1-element all-reduce is all: the messages are gathered only when there is one, so no
+    rank receives the world's on the way that succeeds."""
+    if any_rank(bool(error)):
+        _raise_first(gather(error or ""))
+
+
+def same_everywhere(fingerprint: str) -> bool:
+    """Collective: whether every rank holds the same ``fingerprint`` (a hex digest), by its first 60 bits
+    in one 2-element all-reduce (max of h and of -h: equal when the least is the most)."""
+    _, world = _world()
+    if world == 1:
+        return True
+    h = int(fingerprint[:15] or "0", 16)
+    bounds = torch.tensor([h, -h], dtype=torch.int64)
+    collectives.all_reduce(bounds, "max")
+    return int(bounds[0]) == -int(bounds[1])
 
 
 def _to_first(obj) -> list:
@@ -107,7 +143,7 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
     writing. Any rank's error, or a file that changed size after it was hashed, is raised on every rank."""
     step_dir = Path(step_dir)
     rank, world = _world()
-    _raise_first(gather(error or ""))  # a writer failed somewhere: the same message everywhere
+    raise_everywhere(error)  # a writer failed somewhere: the same message everywhere
     merged: dict[str, dict] = {}
     for part in _to_first(known or {}):
         merged.update(part)
@@ -140,7 +176,7 @@ def digest_files(step_dir: Path, known: dict | None = None, error: str = "") -> 
         except OSError as e:
             error = f"checkpoint {step_dir}: rank {rank} cannot read {name} to hash it: {e}"
             break
-    _raise_first(gather(error))
+    raise_everywhere(error)
     for part in _to_first(results):
         merged.update(part)
     return {name: merged[name] for name in names}
@@ -223,9 +259,8 @@ def verify(step_dir: Path, checksums: bool = True, parallel: bool = False) -> di
         error = _problem(step_dir, manifest, mine)
     except CheckpointError as e:
         error = str(e)
-    gathered = gather((error, fingerprint))
-    _raise_first([e for e, _ in gathered])
-    if len({f for _, f in gathered}) > 1:
+    raise_everywhere(error)
+    if not same_everywhere(fingerprint):
         raise CheckpointError(
             f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
             "system every node shares?)"

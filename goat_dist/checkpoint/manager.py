@@ -52,11 +52,11 @@ from . import manifest as manifest_file
 from .digests import (
     digest,
     digest_files,
-    gather,
     listing,
     raise_everywhere,
     read_checked,
     read_manifest,
+    same_everywhere,
     verify,
 )
 from .errors import CheckpointError
@@ -387,11 +387,8 @@ def read_run_files(
         error = str(e)
     except ValueError as e:
         error = f"checkpoint {step_dir}: {STATE} is not valid JSON: {e}"
-    found = gather((error, fingerprint))
-    for rank_, (problem, _) in enumerate(found):
-        if problem:
-            raise CheckpointError(problem + (f" (found on rank {rank_})" if len(found) > 1 else ""))
-    if len({f for _, f in found}) > 1:
+    raise_everywhere(error)  # a problem on any rank stops every rank, naming it
+    if not same_everywhere(fingerprint):
         raise CheckpointError(
             f"checkpoint {step_dir}: the ranks read different {MANIFEST} files (is run.dir on a file "
             "system every node shares?)"

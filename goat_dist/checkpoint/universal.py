@@ -10,7 +10,8 @@ parameter's flat range. The TP slices of parameters that TP does not split (norm
 by every TP rank (each its own, so a same-layout resume restores every rank's exact values; they are a small
 part of the state).
 
-``universal/index.json`` (rank 0, after gathering the small piece lists) records how each parameter is
+``universal/index.json`` (rank 0, once the ranks agreed on its rules with three small all-reduces: no rank's
+piece list is gathered; ``index.py``) records how each parameter is
 split across TP ranks (megatron's ``partition_dim`` / ``partition_stride``) and its TP-local shape, how
 the saved ranks cut each (parameter, TP rank) into pieces (a rule: ZeRO-3's ``even``, the replicated
 layouts' ``share``, ZeRO-1/2's ``flat``; a list only where none fits) and which file holds each piece
@@ -42,21 +43,21 @@ tensors, beside DeepSpeed's own shards) and format 2 without ``index.json`` are 
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..atomic import atomic_write_text
 from ..engine.masters import KEYS, MOMENTS, Zero3
 from ..engine.zero3 import full_shape
 from . import tensor_file
-from .digests import gather, raise_everywhere
+from .digests import any_rank, gather, raise_everywhere
 from .errors import CheckpointError
-from .slices import INDEX, META, Exchange, UniversalReader, file_name, flat_spans, tensor_key
+from .index import FORMAT, write_index, write_rules
+from .index import agree as agree_rules
+from .index import share as _share
+from .slices import INDEX, META, Exchange, UniversalReader, file_name, tensor_key
 
 __all__ = [
     "FORMAT",
@@ -75,8 +76,6 @@ __all__ = [
     "write_index",
     "write_share",
 ]
-
-FORMAT = 3
 
 
 def layout_of(engine):
@@ -115,12 +114,6 @@ def _replica(model) -> tuple[int, int]:
     from the model's ``layout``."""
     layout = model.layout
     return layout.replica_rank, layout.replicas
-
-
-def _share(start: int, numel: int, index: int, count: int) -> tuple[int, int]:
-    """Replica ``index`` of ``count``'s even part of the flat range ``[start, start + numel)``."""
-    lo, hi = numel * index // count, numel * (index + 1) // count
-    return start + lo, hi - lo
 
 
 def own_pieces(engine, model) -> tuple[list[tuple[str, int, int, dict]], dict, object]:
@@ -200,85 +193,6 @@ def counters(engine, masters, step: int) -> dict:
     }
 
 
-def _fit(pieces: dict[int, dict[int, tuple[int, int]]], numel: int, tp: int, replicas: int) -> dict | None:
-    """The rule that gives exactly ``pieces`` ({TP rank: {replica: (start, numel)}}, empty ones left out)
-    on every TP rank: ``even`` (ZeRO-3: equal partitions, the last short or empty), ``share`` (the
-    replicated layouts' ``_share``) or ``flat`` (ZeRO-1/2: the parameter's run of consecutive replicas in
-    its flat group, ``slices.flat_spans``); None when none does (its pieces are listed)."""
-    candidates: list[tuple[dict, dict[int, tuple[int, int]]]] = []
-    first = pieces.get(0, {}).get(0)
-    if first is not None and first[0] == 0:
-        size = first[1]
-        even = {
-            i: (i * size, min(numel, (i + 1) * size) - i * size) for i in range(replicas) if i * size < numel
-        }
-        candidates.append(({"even": size}, even))
-    candidates.append(({"share": replicas}, {i: _share(0, numel, i, replicas) for i in range(replicas)}))
-    held = sorted(pieces.get(0, {}).items())
-    if held:
-        (i0, (_, head)), tail = held[0], held[1:]
-        flat = [i0, head, tail[0][1][1] if tail else max(numel - head, 1)]
-        candidates.append(({"flat": flat}, flat_spans(flat, numel)))
-    for rule, want in candidates:
-        want = {i: v for i, v in want.items() if v[1] > 0}
-        if all(pieces.get(t, {}) == want for t in range(tp)):
-            return rule
-    return None
-
-
-def _grid_rule(grid: list | None, files: list[str], tp: int) -> tuple[dict | list | None, list[str] | None]:
-    """(grid, files) as the index writes them: rules (``{"tp_inner": true}``: the file of TP rank t's
-    replica i is rank ``i * tp + t``'s; no file list: rank r wrote ``file_name(r)``) where they give
-    exactly what was gathered, so the index does not grow with the world; else the lists."""
-    named = [file_name(r) for r in range(len(files))]
-    listed = None if files == named else files
-    if grid is not None and all(f == i * tp + t for t, row in enumerate(grid) for i, f in enumerate(row)):
-        return {"tp_inner": True}, listed
-    return grid, listed
-
-
-def index_record(params: dict, gathered: list, tp: int, saved: dict) -> dict:
-    """``index.json`` from every rank's piece list (``gathered[rank]``: its file, TP rank, replica index
-    and pieces) and the counters: a rule per parameter where one fits, else its pieces listed, and a
-    ``grid`` of files by (TP rank, replica) (``slices.py``)."""
-    files, table = [], {name: [] for name in params}
-    for i, part in enumerate(gathered):
-        files.append(part["file"])
-        for name, start, numel in part["pieces"]:
-            table[name].append([part["tp"], start, numel, i])
-    replicas = 1 + max(int(part.get("replica", 0)) for part in gathered)
-    grid: list | None = [[None] * replicas for _ in range(tp)]
-    for i, part in enumerate(gathered):
-        t, r = int(part["tp"]), int(part.get("replica", 0))
-        if grid is None or grid[t][r] is not None:
-            grid = None  # two ranks claim one place: list every piece
-        else:
-            grid[t][r] = i
-    if grid is not None and any(f is None for row in grid for f in row):
-        grid = None
-    compact = {}
-    for name, m in params.items():
-        rule = None
-        if grid is not None:
-            by_place: dict[int, dict[int, tuple[int, int]]] = {}
-            for t, start, numel, f in table[name]:
-                by_place.setdefault(t, {})[int(gathered[f].get("replica", 0))] = (start, numel)
-            rule = _fit(by_place, math.prod(m["shape"]), tp, replicas)
-        compact[name] = rule if rule is not None else table[name]
-    grid_rule, listed = _grid_rule(grid, files, tp)
-    head = {"format": FORMAT, "tp": tp, **saved, "params": params, "world": len(files)}
-    if listed is not None:
-        head["files"] = listed
-    return {**head, "replicas": replicas, "grid": grid_rule, "pieces": compact}
-
-
-def write_index(out: Path, params: dict, gathered: list, tp: int, saved: dict) -> None:
-    """Rank 0: ``universal/index.json`` (``index_record``), the one file of the state it writes besides
-    its own share."""
-    index = index_record(params, gathered, tp, saved)
-    atomic_write_text(Path(out) / INDEX, json.dumps(index, separators=(",", ":")))
-
-
 def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32, params: dict | None = None) -> dict:
     """Write one rank's pieces (``own_pieces``) to ``path``, one tensor on the host at a time, with block
     checksums (aligned to the rows of the row-parallel ones among ``params``, the parameters' meta:
@@ -286,6 +200,11 @@ def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32, params:
     meta = {"format": str(FORMAT), "rank": str(rank), "step": str(step)}
     blocks = checksum_blocks(params) if params else None
     return tensor_file.write(path, _entries(pieces, to_host, blocks), meta, checksums=True)
+
+
+def _all_reduce(tensor: torch.Tensor, op: str) -> None:
+    if dist.get_world_size() > 1:
+        collectives.all_reduce(tensor, op)
 
 
 def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
@@ -299,15 +218,17 @@ def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -
     out.mkdir(parents=True, exist_ok=True)
     pieces, params, masters = own_pieces(engine, model)
     layout = model.layout
-    mine = {
-        "file": file_name(rank),
-        "tp": layout.tp_rank,
-        "replica": _replica(model)[0],
-        "pieces": [(name, start, numel) for name, start, numel, _ in pieces],
-    }
-    gathered = collectives.gather_object(mine, dst=0)
-    if rank == 0:
-        write_index(out, params, gathered, layout.tp, counters(engine, masters, step))
+    held = [(name, start, numel) for name, start, numel, _ in pieces]
+    replica, replicas = _replica(model)
+    placed = rank == replica * layout.tp + layout.tp_rank and dist.get_world_size() == layout.tp * replicas
+    rules = agree_rules(params, held, replica, replicas, placed, _all_reduce)  # no rank's list gathered
+    if rules is None:  # a layout the rules do not give: rank 0 gathers the lists (index.py)
+        mine = {"file": file_name(rank), "tp": layout.tp_rank, "replica": replica, "pieces": held}
+        gathered = collectives.gather_object(mine, dst=0)
+        if rank == 0:
+            write_index(out, params, gathered, layout.tp, counters(engine, masters, step))
+    elif rank == 0:
+        write_rules(out, params, rules, layout.tp, replicas, counters(engine, masters, step))
     path = out / file_name(rank)
     if submit is None:  # synchronous: one tensor on the host at a time
         return {f"universal/{path.name}": write_share(path, pieces, rank, step, to_host, params)}
@@ -473,18 +394,18 @@ def _agree(
     read opens on a rank (``files``: ``_files_to_open``'s) is more than a read by file opens, across a
     ZeRO-stage change (``stage_change``: the same on every rank), or more by two otherwise: a DP change
     keeps its direct reads (1-3 files)."""
-    found = gather((problem, mismatched, files))
-    for rank, (error, _, _) in enumerate(found):
-        if error:
-            raise CheckpointError(error + (f" (found on rank {rank})" if len(found) > 1 else ""))
-    for problems in (m for _, m, _ in found):
-        if problems:
-            raise ModelMismatch(problems, step_dir)
-    counts = [f for _, _, f in found]
-    if any(by_file is None for _, by_file in counts):
+    raise_everywhere(problem)
+    if any_rank(bool(mismatched)):  # the lists are gathered only then
+        for problems in gather(mismatched):
+            if problems:
+                raise ModelMismatch(problems, step_dir)
+    direct, by_file = files
+    most = torch.tensor([direct, -1 if by_file is None else by_file, by_file is None], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        collectives.all_reduce(most, "max")  # the most files on any rank; whether any cannot read by file
+    if most[2]:
         return False
-    direct, by_file = max(d for d, _ in counts), max(b for _, b in counts)
-    return direct > by_file if stage_change else direct > by_file + 1
+    return bool(most[0] > most[1]) if stage_change else bool(most[0] > most[1] + 1)
 
 
 class ModelMismatch(CheckpointError):

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from goat_dist import distributed  # noqa: E402
+from goat_dist import collectives, distributed  # noqa: E402
 from goat_dist.checkpoint import CheckpointManager, universal  # noqa: E402
 from goat_dist.checkpoint.slices import tensor_key  # noqa: E402
 from goat_dist.config import load_config  # noqa: E402
@@ -58,6 +58,19 @@ def _reset_peak() -> int:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     return _status_kib("VmRSS") * 1024
+
+
+LISTS_GATHERED: list[int] = []  # piece lists sent to rank 0 by universal.save (none when the rules agree)
+_gather_object = collectives.gather_object
+
+
+def _counting_gather(obj, *args, **kwargs):
+    if isinstance(obj, dict) and "pieces" in obj:
+        LISTS_GATHERED.append(len(obj["pieces"]))
+    return _gather_object(obj, *args, **kwargs)
+
+
+collectives.gather_object = _counting_gather
 
 
 def measured_saves(engine, model, layout, run_dir: Path, tp: int, stage: int) -> tuple[dict, Path]:
@@ -125,7 +138,7 @@ def main(out: str, workdir: str, stage: int, precision: str, tp: int = 1) -> Non
     dist.barrier()
 
     result = {"state_bytes": state_bytes}
-    measured = dict(saves)
+    measured = {**saves, "lists_gathered": len(LISTS_GATHERED)}
     for saved_tp, source in sources.items():
         loaded = measured_load(engine, model, source)
         measured.update({f"{k}_from_tp{saved_tp}": v for k, v in loaded.items()})

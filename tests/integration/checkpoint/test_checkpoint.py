@@ -382,7 +382,8 @@ def test_each_rank_writes_and_reads_only_its_own_share(stage, precision, tp, tmp
       RSS is at most one tensor (the rank's largest piece) + 4 MiB, an asynchronous one's its own share +
       4 MiB (measured 0.7 MB above each): no rank gathers the state. The index gives every parameter's
       pieces as a rule (ZeRO-3: ``even``; ZeRO-1/2: ``flat`` for those across partitions) and its grid of
-      files as one: none grows with the world.
+      files as one: none grows with the world, and rank 0 finds them without gathering any rank's list
+      (``index.agree``).
     - resuming under ZeRO-3 (from this checkpoint, and from the state re-split as a format-1 TP=2 run
       writes it, whose slices must be merged): extra peak RSS per rank under half of the state (measured
       <= 0.07 from TP=1, <= 0.15 from TP=2; before slicing, 0.58-0.72 and 2.0)."""
@@ -402,6 +403,7 @@ def test_each_rank_writes_and_reads_only_its_own_share(stage, precision, tp, tmp
     # the index holds a rule per parameter, none of its pieces listed, and its grid of files as a rule
     assert "list" not in r["index_rules"] and ("flat" in r["index_rules"]) == (stage < 3), r["index_rules"]
     assert r["index_grid"] == {"tp_inner": True}
+    assert r["lists_gathered"] == [0, 0, 0, 0]  # the ranks agreed on the rules: no list reached rank 0
     for rank in range(4):
         sync, staged = r["save_extra_bytes"][rank], r["async_extra_bytes"][rank]
         assert sync <= r["piece_bytes"][rank] + 4 * MB, f"rank {rank}: sync save +{sync / MB:.1f} MiB"

@@ -3,8 +3,9 @@
 * ``tensor_file``: ranges of a checksummed file read back exactly; a flipped byte, a truncated file or a
   rewritten header is a CheckpointError naming the file; a file without checksums (an earlier release's)
   is checked whole against the manifest when opened.
-* ``universal.index_record``: ZeRO-3's pieces become one ``even`` rule per parameter, the replicated
-  layouts' one ``share`` rule, irregular ones (ZeRO-1/2) a list, and no ``meta.json`` (every piece
+* ``index.index_record``: ZeRO-3's pieces become one ``even`` rule per parameter, the replicated
+  layouts' one ``share`` rule, ZeRO-1/2's one ``flat`` rule, irregular ones a list; ``index.agree``
+  finds the same rules with all-reduces, no list gathered, and no ``meta.json`` (every piece
   listed, O(parameters x ranks)) is written; the reader finds every element through the index, for
   TP 1/2/4 -> 1/2/4 and any range.
 * A corrupt file stops only the ranks that read it, and is named; a rank reading other files does not
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -180,6 +182,76 @@ def test_the_index_is_a_rule_per_parameter_where_one_fits(tmp_path):
     index = json.loads((tmp_path / "flat" / "universal" / "index.json").read_text())
     assert all(isinstance(rule, dict) for rule in index["pieces"].values())  # none listed: O(parameters)
     assert index["pieces"]["big"] == {"flat": [0, 1088, 1264]}  # replica 0 holds 1,088 of it, 1-4 1,264
+
+
+def _pieces_of(tp: int, dp: int, cut) -> tuple[dict, list[list[tuple[str, int, int]]]]:
+    """The parameters' meta at TP=``tp`` and every rank's (name, start, numel), as ``write_checkpoint``
+    cuts them (rank ``i * tp + t``)."""
+    params = {
+        name: {**meta, "shape": list(local_value(name, "", tp, 0).shape)}
+        for name, (_, meta) in SPLITS.items()
+    }
+    sizes = {name: math.prod(params[name]["shape"]) for name in SPLITS}
+    held = []
+    for rank in range(tp * dp):
+        i = rank // tp
+        cuts = flat_group(sizes, dp, i) if cut is flat_group else {n: cut(sizes[n], dp, i) for n in SPLITS}
+        held.append([(n, s, c) for n, (s, c) in cuts.items() if c > 0])
+    return params, held
+
+
+def _agree_in_threads(params: dict, held: list, tp: int, misplaced: int | None = None) -> list:
+    """Every rank's ``index.agree``, the ranks played as threads, the all-reduces done among them."""
+    from goat_dist.checkpoint import index
+
+    world, slots, out = len(held), [None] * len(held), [None] * len(held)
+    barrier = threading.Barrier(world)
+
+    def rank_body(rank: int) -> None:
+        def reduce(tensor, op):
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            stacked = torch.stack(slots)
+            done = stacked.max(0).values if op == "max" else stacked.min(0).values
+            barrier.wait()
+            tensor.copy_(done)
+
+        out[rank] = index.agree(params, held[rank], rank // tp, world // tp, rank != misplaced, reduce)
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize(
+    "tp,dp,cut",
+    [(2, 5, even), (1, 4, even), (2, 3, flat_group), (1, 7, flat_group), (2, 3, "share"), (1, 4, ragged)],
+    ids=["zero3-tp2", "zero3", "zero1-tp2", "zero1", "replicated", "ragged"],
+)
+def test_the_ranks_agree_on_the_rules_without_gathering_their_pieces(tp, dp, cut):
+    """``index.agree`` (a save's three all-reduces, ranks played as threads) gives every rank the rules
+    rank 0 would fit from every rank's gathered list, so the index written is the same, byte for byte;
+    where some parameter has no rule (ragged cuts) or a rank is not where ``tp_inner`` puts it, every rank
+    gets None and the save gathers the lists."""
+    from goat_dist.checkpoint import index
+
+    cut = (lambda n, c, i: universal._share(0, n, i, c)) if cut == "share" else cut
+    params, held = _pieces_of(tp, dp, cut)
+    gathered = [{"file": universal.file_name(r), "tp": r % tp, "replica": r // tp, "pieces": p}
+                for r, p in enumerate(held)]  # fmt: skip
+    fitted = index.index_record(params, gathered, tp, {"step": 3})
+    agreed = _agree_in_threads(params, held, tp)
+    assert all(a == agreed[0] for a in agreed)  # the same on every rank
+    if cut is ragged:
+        assert agreed[0] is None and all(isinstance(rule, list) for rule in fitted["pieces"].values())
+    else:
+        assert agreed[0] is not None
+        record = index.rules_record(params, agreed[0], tp, dp, {"step": 3})
+        assert json.dumps(record, sort_keys=True) == json.dumps(fitted, sort_keys=True)
+        assert _agree_in_threads(params, held, tp, misplaced=tp * dp - 1) == [None] * (tp * dp)
 
 
 @pytest.mark.parametrize("cut", [even, ragged, flat_group], ids=["zero3", "ragged", "zero1"])

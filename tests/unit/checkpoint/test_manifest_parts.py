@@ -155,3 +155,41 @@ def test_verify_reads_every_part_and_an_earlier_manifest_is_read_as_it_is(tmp_pa
     assert read_checked(tmp_path, "rng_rank3.pt", earlier) == bytes([3]) * 103
     with pytest.raises(CheckpointError, match=r"rng_rank10\.pt is not in its manifest\.json"):
         read_checked(tmp_path, "rng_rank10.pt", earlier)
+
+
+def test_agreeing_at_resume_gathers_nothing_from_the_world_unless_a_rank_failed(tmp_path, monkeypatch):
+    """A resume's checks that every rank read the same manifest and found no problem are two small
+    all-reduces on a fake rank 3 of 512 (1 and 2 elements), no gather of the world's messages; a problem
+    on some rank gathers them, and every rank raises the lowest failing rank's message."""
+    from goat_dist import collectives
+    from goat_dist.checkpoint import digests, manager
+
+    (tmp_path / "trainer_state.json").write_text('{"step": 7}')
+    files = {**world_files(16), "trainer_state.json": digests.digest(tmp_path / "trainer_state.json")}
+    write_manifest(tmp_path, {"step": 7}, files=files)
+    another = {"world": 512}  # not the saved layout: no RNG file is read
+    calls: list[tuple[str, int]] = []
+    failing: list[str] = []
+
+    def all_reduce(tensor, op="sum", group=None):
+        calls.append(("all_reduce", tensor.numel()))
+        if tensor.numel() == 1 and failing:
+            tensor.fill_(1)
+        return tensor
+
+    def all_gather_object(obj, group=None):
+        calls.append(("all_gather_object", 512))
+        return ["", "", *failing, *[""] * (509 - len(failing)), obj]
+
+    monkeypatch.setattr(digests, "_world", lambda: (3, 512))
+    monkeypatch.setattr(collectives, "all_reduce", all_reduce)
+    monkeypatch.setattr(collectives, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(manager.universal, "require_state", lambda *a, **k: None)
+    manifest, state, _ = manager.read_run_files(tmp_path, 3, layout=another)
+    assert state == {"step": 7} and manifest["step"] == 7
+    assert calls == [("all_reduce", 1), ("all_reduce", 2)]  # no rank receives the world's messages
+    calls.clear()
+    failing.append("checkpoint x: rng_rank2.pt is missing")
+    with pytest.raises(CheckpointError, match=r"rng_rank2\.pt is missing \(found on rank 2\)"):
+        manager.read_run_files(tmp_path, 3, layout=another)
+    assert calls == [("all_reduce", 1), ("all_gather_object", 512)]
