@@ -5,7 +5,7 @@ Two worlds, through the real read path (``tests/workers/share_reads.py``):
 * **4 ranks, real files**: a 16.5M-parameter model saved by 4 ranks (the real writer: every state file,
   RNG file, index and manifest), resumed by every rank of each new layout in one process: the manifest,
   run state and RNG file (``manager.read_run_files``), then the rank's ranges (``universal.read_into``), or
-  its reads by file for a ZeRO-stage change (``slices.Exchange``, the all-to-all played in process).
+  its reads by file for a ZeRO-stage change (``exchange.Exchange``, the all-to-all played in process).
   Counted per rank: files opened (Python's audit hook), bytes read (``/proc/self/io`` ``rchar``).
 * **512 ranks, planned**: configs/models/goat_30b.yaml saved by 512 ranks, its state files stood in for
   (their header and checksum sizes computed by the writer's own code), the real index and reader; sampled

@@ -54,10 +54,11 @@ from ..engine.zero3 import full_shape
 from . import tensor_file
 from .digests import any_rank, gather, raise_everywhere
 from .errors import CheckpointError
+from .exchange import Exchange
 from .index import FORMAT, write_index, write_rules
 from .index import agree as agree_rules
 from .index import share as _share
-from .slices import INDEX, META, Exchange, UniversalReader, file_name, tensor_key
+from .slices import INDEX, META, UniversalReader, file_name, tensor_key
 
 __all__ = [
     "FORMAT",

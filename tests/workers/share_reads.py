@@ -319,10 +319,10 @@ class _Sums:
 
 def read_world_by_file(step_dir: Path, params: dict, dp: int, stage: int, tp: int = 1) -> list[dict]:
     """Every rank of a TP=``tp`` x DP=``dp`` ZeRO-``stage`` world resuming from ``step_dir`` by file
-    (``slices.Exchange``, what ``universal.exchange_into`` does with an all-to-all): each rank's
+    (``exchange.Exchange``, what ``universal.exchange_into`` does with an all-to-all): each rank's
     requests, then key by key each rank's reads (counted per rank, ``IoCount``), and the all-to-all played
     here (rank j's answer to rank k is what k receives from j); per rank ``_result``'s figures."""
-    from goat_dist.checkpoint.slices import Exchange
+    from goat_dist.checkpoint.exchange import Exchange
 
     world = dp * tp
     owned = [_owned(params, dp, rank, tp, stage) for rank in range(world)]
@@ -457,8 +457,9 @@ def plan_rank(
 ) -> dict:
     """The files and bytes rank ``rank`` (``i * tp + t``) of TP=``tp`` x DP=``dp`` at ZeRO ``stage`` would
     read of the planned checkpoint (the real reader, over ``PlannedFile``s): directly, or ``by_file``
-    (``slices.Exchange``: its requests, then its reads)."""
+    (``exchange.Exchange``: its requests, then its reads)."""
     from goat_dist.checkpoint import slices
+    from goat_dist.checkpoint.exchange import Exchange
 
     PlannedFile.opened = []
     real, slices.TensorFile = slices.TensorFile, PlannedFile
@@ -466,7 +467,7 @@ def plan_rank(
     try:
         with UniversalReader(root, tp, rank % tp, manifest) as reader:
             if by_file:
-                ex = slices.Exchange(reader, rank // tp, dp)
+                ex = Exchange(reader, rank // tp, dp)
                 asks, _ = ex.requests(held)
                 for key in KEYS:
                     ex.read(key)

@@ -277,7 +277,7 @@ def zero1_dp64(tmp_path_factory):
 
 @pytest.mark.parametrize("saved,stage", [(1, 3), (3, 1)], ids=["zero1-to-zero3", "zero3-to-zero1"])
 def test_a_zero_stage_change_opens_only_the_files_of_its_share(zero3_dp64, zero1_dp64, saved, stage):
-    """Every rank of the DP=64 world resumes the other ZeRO stage's checkpoint by file (``slices.Exchange``;
+    """Every rank of the DP=64 world resumes the other ZeRO stage's checkpoint by file (``exchange.Exchange``;
     tests/workers/share_reads.py plays the all-to-all): it opens one state file (its own: the same DP) and
     the four run files (the manifest's part listing it among them), reads <= 1.1 x its share, and every
     element reaches its owner as saved (measured 1.013-1.026). Read directly, a rank's share lies in
@@ -382,7 +382,7 @@ def test_the_30b_config_on_512_ranks_reads_its_share_across_tp_sizes(params_30b,
 
 def test_the_30b_config_on_512_ranks_changes_zero_stage_opening_one_file_per_rank(params_30b, tmp_path):
     """configs/models/goat_30b.yaml planned at DP=512 (tests/workers/share_reads.py), saved at ZeRO-1 and
-    resumed at ZeRO-3 and the other way, read by file (``slices.Exchange``): sampled ranks open one state
+    resumed at ZeRO-3 and the other way, read by file (``exchange.Exchange``): sampled ranks open one state
     file (<= 2 asked) and read <= 1.1 x their share (measured 1.0000-1.0008); read directly they open
     98-512 and read up to 2.7 x. The ZeRO-1 index gives every parameter's pieces as a rule (``flat``: its
     run of partitions), so it grows only by digits from DP=64 to DP=512 (136,234 -> 138,127 B, 4 B per

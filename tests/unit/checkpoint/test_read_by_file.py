@@ -2,7 +2,7 @@
 
 ``universal.exchange_into`` on every rank of a small world, the ranks as threads and the all-to-all an
 in-memory mesh: ZeRO-1 -> ZeRO-3 and ZeRO-3 -> ZeRO-1 at the same DP, fewer and more replicas than saved.
-Each rank opens only the files ``slices.Exchange`` gives it, every element of every key (and the forward
+Each rank opens only the files ``exchange.Exchange`` gives it, every element of every key (and the forward
 weights' ``lp``) arrives as saved; a corrupt file stops its reader with the file named while the others
 finish their collectives. ``universal._agree`` reads by file only where a direct read opens more than one
 file more than reading by file does (a DP change keeps its direct reads).
