@@ -99,7 +99,6 @@ def four_ranks(tmp: Path) -> None:
 def planned_512(tmp: Path) -> None:
     from workers import share_reads
 
-    from goat_dist.checkpoint import manifest as manifest_file
     from goat_dist.checkpoint.digests import read_manifest
     from goat_dist.checkpoint.manager import write_manifest
 
@@ -128,8 +127,7 @@ def planned_512(tmp: Path) -> None:
                 manifest["files"][name]
             if (ndp, ntp, nstage) == saved:
                 manifest["files"][f"rng_rank{rank}.pt"]
-            parts = [manifest_file.part_name(i) for i in manifest["files"]._parts]
-            manifest_n.append(_manifest_bytes(root, ["manifest.json", *parts]))
+            manifest_n.append(_manifest_bytes(root, ["manifest.json", *manifest["files"].parts_read()]))
             files_n.append(len(plan["files"]))
             ratios.append(plan["bytes"] / plan["share_bytes"])
         _row(label, files_n, manifest_n, ratios, f"{len(ranks)} sampled")

@@ -113,6 +113,10 @@ class Files(Mapping):
             self._parts[index] = listed
         return self._parts[index]
 
+    def parts_read(self) -> list[str]:
+        """The parts read so far (what a rank's lookups cost it)."""
+        return [part_name(i, self.per_part) for i in sorted(self._parts)]
+
     def _count(self) -> int:
         return int(self.ranks["parts"]) if self.ranks else 0
 

@@ -71,6 +71,7 @@ def resume_lookups(step_dir: Path, rank: int) -> tuple[list[str], int]:
             assert manifest["files"][name]["bytes"] > 0
         own = manifest["files"][f"universal/rank{rank:05d}.safetensors"]
         assert own["sha256"] == f"{rank:064x}"
+        assert manifest["files"].parts_read() == [manifest_file.part_name(rank // 8)]
     finally:
         Opens.hooked.remove(watch)
     return watch.opened, watch.bytes()
