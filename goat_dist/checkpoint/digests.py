@@ -43,6 +43,7 @@ __all__ = [
     "listing",
     "raise_everywhere",
     "read_checked",
+    "reduce",
     "same_everywhere",
     "shares",
     "verify",
@@ -96,14 +97,17 @@ def _raise_first(errors: list[str]) -> None:
             raise CheckpointError(found + (f" (found on rank {rank})" if len(errors) > 1 else ""))
 
 
+def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """Collective: ``tensor`` all-reduced in place over the world (``op``: max or min); as it is in one
+    process. A host tensor: ``collectives`` places it where the backend takes it (NCCL: the device)."""
+    if _world()[1] > 1:
+        collectives.all_reduce(tensor, op)
+    return tensor
+
+
 def any_rank(flag: bool) -> bool:
     """Collective: whether ``flag`` is set on any rank (one 1-element all-reduce)."""
-    _, world = _world()
-    if world == 1:
-        return bool(flag)
-    found = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    collectives.all_reduce(found, "max")
-    return bool(found.item())
+    return bool(reduce(torch.tensor([1 if flag else 0], dtype=torch.int64), "max").item())
 
 
 def raise_everywhere(error: str) -> None:
@@ -118,12 +122,8 @@ def raise_everywhere(error: str) -> None:
 def same_everywhere(fingerprint: str) -> bool:
     """Collective: whether every rank holds the same ``fingerprint`` (a hex digest), by its first 60 bits
     in one 2-element all-reduce (max of h and of -h: equal when the least is the most)."""
-    _, world = _world()
-    if world == 1:
-        return True
     h = int(fingerprint[:15] or "0", 16)
-    bounds = torch.tensor([h, -h], dtype=torch.int64)
-    collectives.all_reduce(bounds, "max")
+    bounds = reduce(torch.tensor([h, -h], dtype=torch.int64), "max")
     return int(bounds[0]) == -int(bounds[1])
 
 

@@ -52,7 +52,7 @@ from .. import collectives
 from ..engine.masters import KEYS, MOMENTS, Zero3
 from ..engine.zero3 import full_shape
 from . import tensor_file
-from .digests import any_rank, gather, raise_everywhere
+from .digests import any_rank, gather, raise_everywhere, reduce
 from .errors import CheckpointError
 from .exchange import Exchange
 from .index import FORMAT, write_index, write_rules
@@ -203,11 +203,6 @@ def write_share(path: Path, pieces, rank: int, step: int, to_host=_fp32, params:
     return tensor_file.write(path, _entries(pieces, to_host, blocks), meta, checksums=True)
 
 
-def _all_reduce(tensor: torch.Tensor, op: str) -> None:
-    if dist.get_world_size() > 1:
-        collectives.all_reduce(tensor, op)
-
-
 def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -> dict[str, dict]:
     """Collective: every rank writes its own share to ``universal/rank<R>.safetensors`` (its TP rank and
     replica index from the model's ``layout``); rank 0 writes ``index.json``. Returns
@@ -222,7 +217,7 @@ def save(engine, model, step_dir: Path, step: int, to_host=_fp32, submit=None) -
     held = [(name, start, numel) for name, start, numel, _ in pieces]
     replica, replicas = _replica(model)
     placed = rank == replica * layout.tp + layout.tp_rank and dist.get_world_size() == layout.tp * replicas
-    rules = agree_rules(params, held, replica, replicas, placed, _all_reduce)  # no rank's list gathered
+    rules = agree_rules(params, held, replica, replicas, placed, reduce)  # no rank's list gathered
     if rules is None:  # a layout the rules do not give: rank 0 gathers the lists (index.py)
         mine = {"file": file_name(rank), "tp": layout.tp_rank, "replica": replica, "pieces": held}
         gathered = collectives.gather_object(mine, dst=0)
@@ -402,8 +397,7 @@ def _agree(
                 raise ModelMismatch(problems, step_dir)
     direct, by_file = files
     most = torch.tensor([direct, -1 if by_file is None else by_file, by_file is None], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        collectives.all_reduce(most, "max")  # the most files on any rank; whether any cannot read by file
+    reduce(most, "max")  # the most files on any rank; whether any cannot read by file
     if most[2]:
         return False
     return bool(most[0] > most[1]) if stage_change else bool(most[0] > most[1] + 1)

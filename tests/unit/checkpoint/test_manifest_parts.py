@@ -5,9 +5,7 @@ checked (its sha256, its save) and named when wrong."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,50 +35,25 @@ def world_files(world: int) -> dict:
     return files
 
 
-class Opens:
-    """The files under ``root`` this process opens (Python's audit hook sees every open)."""
-
-    hooked: list[Opens] = []
-    installed = False  # an audit hook cannot be removed: one for the process
-
-    def __init__(self, root: Path):
-        self.root, self.opened = str(root), []
-        if not Opens.installed:
-            sys.addaudithook(Opens._audit)
-            Opens.installed = True
-        Opens.hooked.append(self)
-
-    @staticmethod
-    def _audit(event: str, args) -> None:
-        if event == "open" and isinstance(args[0], (str, os.PathLike)) and Opens.hooked:
-            watch, path = Opens.hooked[-1], os.fspath(args[0])
-            if path.startswith(watch.root + "/"):
-                watch.opened.append(path[len(watch.root) + 1 :])
-
-    def bytes(self) -> int:
-        return sum((Path(self.root) / name).stat().st_size for name in set(self.opened))
-
-
 def resume_lookups(step_dir: Path, rank: int) -> tuple[list[str], int]:
     """What a resuming rank does with the manifest: read it and look up its run and state files' digests.
-    Returns (files opened, their bytes)."""
-    watch = Opens(step_dir)
-    try:
+    Returns (files opened, bytes read: ``share_reads.IoCount``)."""
+    from workers.share_reads import IoCount
+
+    with IoCount(step_dir) as io:
         manifest = read_manifest(step_dir)
         for name in ("trainer_state.json", "universal/index.json", f"rng_rank{rank}.pt"):
             assert manifest["files"][name]["bytes"] > 0
         own = manifest["files"][f"universal/rank{rank:05d}.safetensors"]
         assert own["sha256"] == f"{rank:064x}"
         assert manifest["files"].parts_read() == [manifest_file.part_name(rank // 8)]
-    finally:
-        Opens.hooked.remove(watch)
-    return watch.opened, watch.bytes()
+    return io.opened, io.bytes
 
 
 def test_a_rank_reads_the_manifest_of_its_own_files_whatever_the_world(tmp_path):
     """A fake world of 64 and of 512 ranks: each sampled rank opens manifest.json and the one part listing
-    its 8 ranks' files, ~3.3 KB in all at either size, where the single listing of every file that earlier
-    releases wrote (and every rank read) is 23 KB at 64 and 185 KB at 512."""
+    its 8 ranks' files, ~3.4 KB read in all at either size, where the single listing of every file that
+    earlier releases wrote (and every rank read) is 23 KB at 64 and 185 KB at 512."""
     read: dict[int, list[int]] = {}
     whole: dict[int, int] = {}
     for world in (64, 512):
