@@ -134,7 +134,8 @@ def test_verify_reads_every_part_and_an_earlier_manifest_is_read_as_it_is(tmp_pa
 def test_agreeing_at_resume_gathers_nothing_from_the_world_unless_a_rank_failed(tmp_path, monkeypatch):
     """A resume's checks that every rank read the same manifest and found no problem are two small
     all-reduces on a fake rank 3 of 512 (1 and 2 elements), no gather of the world's messages; a problem
-    on some rank gathers them, and every rank raises the lowest failing rank's message."""
+    on some rank gathers them, and every rank raises the lowest failing rank's message; a rank that read
+    another manifest.json (its fingerprint differs) stops every rank, naming the shared file system."""
     from goat_dist import collectives
     from goat_dist.checkpoint import digests, manager
 
@@ -145,10 +146,14 @@ def test_agreeing_at_resume_gathers_nothing_from_the_world_unless_a_rank_failed(
     calls: list[tuple[str, int]] = []
     failing: list[str] = []
 
+    elsewhere: list[int] = []  # another rank's manifest fingerprint, when it read another file
+
     def all_reduce(tensor, op="sum", group=None):
         calls.append(("all_reduce", tensor.numel()))
         if tensor.numel() == 1 and failing:
             tensor.fill_(1)
+        if tensor.numel() == 2 and elsewhere:  # max(h) and max(-h) over this rank and the other
+            tensor[0], tensor[1] = max(int(tensor[0]), elsewhere[0]), max(int(tensor[1]), -elsewhere[0])
         return tensor
 
     def all_gather_object(obj, group=None):
@@ -167,3 +172,7 @@ def test_agreeing_at_resume_gathers_nothing_from_the_world_unless_a_rank_failed(
     with pytest.raises(CheckpointError, match=r"rng_rank2\.pt is missing \(found on rank 2\)"):
         manager.read_run_files(tmp_path, 3, layout=another)
     assert calls == [("all_reduce", 1), ("all_gather_object", 512)]
+    failing.clear()
+    elsewhere.append(int(read_manifest(tmp_path).fingerprint[:15], 16) + 1)
+    with pytest.raises(CheckpointError, match=r"the ranks read different manifest\.json files"):
+        manager.read_run_files(tmp_path, 3, layout=another)
