@@ -11,7 +11,8 @@ import math
 import torch
 
 from .errors import CheckpointError
-from .slices import UniversalReader, flat_spans, tensor_key
+from .index import span
+from .slices import UniversalReader, tensor_key
 
 __all__ = ["Exchange"]
 
@@ -62,15 +63,8 @@ class Exchange:
         for name, rule in reader.meta["pieces"].items():
             n = math.prod(reader.shapes[name])
             if isinstance(rule, dict):
-                if "even" in rule:
-                    size = int(rule["even"])
-                    a, z = min(n, i * size), min(n, (i + 1) * size)
-                elif "flat" in rule:
-                    a, k = flat_spans(rule["flat"], n, i, i + 1).get(i, (0, 0))
-                    z = a + k
-                else:
-                    a, z = n * i // self.count, n * (i + 1) // self.count
-                spans = [(a, z - a)] if z > a else []
+                held = span(rule, n, self.count, i)  # the rule's own reading (index.py)
+                spans = [held] if held else []
             else:
                 spans = self._listed_pieces().get(self.files[i], {}).get(name, [])
             for start, numel in spans:

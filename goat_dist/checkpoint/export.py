@@ -24,9 +24,10 @@ from ..atomic import sha256_file
 from ..optim import is_prior
 from . import tensor_file, universal
 from .digests import read_checked, read_manifest
+from .index import INDEX
 from .manager import MANIFEST, STATE, CheckpointError, verify
 from .model_card import CARD
-from .slices import INDEX, META, UniversalReader
+from .slices import META, UniversalReader
 
 
 def resolve_step_dir(path: str | Path) -> Path:

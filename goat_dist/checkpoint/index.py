@@ -5,7 +5,7 @@ Each parameter's pieces are given by a rule where one gives them exactly (``slic
 - ``even`` (ZeRO-3): replica i holds ``[i * size, (i + 1) * size)``, the last short or empty;
 - ``share`` (the replicated layouts: every replica an even part of every tensor): ``share``;
 - ``flat`` (ZeRO-1/2: a flat group's partitions hold the parameter on a run of consecutive replicas):
-  ``[i0, head, part]``, ``slices.flat_spans``;
+  ``[i0, head, part]``, ``flat_spans``;
 
 else its pieces are listed (``[TP rank, start, numel, file]``). The files are named by rule too
 (``file_name(rank)``), and placed by one (``tp_inner``: TP rank t's replica i is global rank
@@ -29,11 +29,42 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_write_text
-from .slices import INDEX, file_name, flat_spans
 
-__all__ = ["agree", "index_record", "rules_record", "share", "write_index", "write_rules"]
+__all__ = [
+    "INDEX",
+    "agree",
+    "file_name",
+    "flat_spans",
+    "index_record",
+    "rules_record",
+    "share",
+    "span",
+    "write_index",
+    "write_rules",
+]
 
 FORMAT = 3
+INDEX = "index.json"
+
+
+def file_name(rank: int) -> str:
+    """The state file global rank ``rank`` writes, inside ``universal/``."""
+    return f"rank{rank:05d}.safetensors"
+
+
+def flat_spans(rule: list, numel: int, first: int = 0, last: int | None = None) -> dict[int, tuple[int, int]]:
+    """{replica: (start, numel)} of a ZeRO-1/2 parameter of ``numel`` elements under the index's ``flat``
+    rule ``[i0, head, part]``: its flat group's partitions hold it on consecutive replicas from ``i0``,
+    the first ``head`` elements, each next one ``part`` more (the last what is left); only the replicas in
+    ``[first, last)`` (None: all)."""
+    i0, head, part = (int(v) for v in rule)
+    count = 1 + (-(-(numel - head) // part) if numel > head else 0)
+    out = {}
+    for i in range(max(first, i0), i0 + count if last is None else min(last, i0 + count)):
+        a = 0 if i == i0 else head + (i - i0 - 1) * part
+        z = head if i == i0 else min(numel, head + (i - i0) * part)
+        out[i] = (a, z - a)
+    return out
 
 
 def share(start: int, numel: int, index: int, count: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ Why: a universal resume used to build the whole TP-merged fp32 model and both Ad
 Which files: ``universal/index.json`` says, per parameter, how the saved ranks split its TP-local tensor
 into pieces: a rule for ZeRO-3 and the replicated layouts (``even``: replica i holds elements
 ``[i * P, (i + 1) * P)``; ``share``: ``[n * i // R, n * (i + 1) // R)``; ``flat`` for ZeRO-1/2, whose
-pieces follow the optimizer's flat groups: a run of consecutive replicas, ``flat_spans``), a list only
+pieces follow the optimizer's flat groups: a run of consecutive replicas, ``index.flat_spans``), a list only
 where no rule fits, and ``grid[t][i]`` names the file of TP rank t's replica i (format 3: the rule
 ``tp_inner``, rank ``i * tp + t``, and file names ``file_name(rank)``). So a rank finds its pieces without
 reading every rank's: the index is O(parameters) (format 2, listing files, grid and ZeRO-1/2's pieces:
@@ -51,30 +51,10 @@ import torch
 
 from .digests import read_checked
 from .errors import CheckpointError
+from .index import INDEX, file_name, flat_spans
 from .tensor_file import CHECKSUMS, TensorFile
 
-INDEX = "index.json"
 META = "meta.json"
-
-
-def file_name(rank: int) -> str:
-    """The state file global rank ``rank`` writes, inside ``universal/``."""
-    return f"rank{rank:05d}.safetensors"
-
-
-def flat_spans(rule: list, numel: int, first: int = 0, last: int | None = None) -> dict[int, tuple[int, int]]:
-    """{replica: (start, numel)} of a ZeRO-1/2 parameter of ``numel`` elements under the index's ``flat``
-    rule ``[i0, head, part]``: its flat group's partitions hold it on consecutive replicas from ``i0``,
-    the first ``head`` elements, each next one ``part`` more (the last what is left); only the replicas in
-    ``[first, last)`` (None: all)."""
-    i0, head, part = (int(v) for v in rule)
-    count = 1 + (-(-(numel - head) // part) if numel > head else 0)
-    out = {}
-    for i in range(max(first, i0), i0 + count if last is None else min(last, i0 + count)):
-        a = 0 if i == i0 else head + (i - i0 - 1) * part
-        z = head if i == i0 else min(numel, head + (i - i0) * part)
-        out[i] = (a, z - a)
-    return out
 
 
 class _RankFiles(Sequence):
@@ -155,7 +135,7 @@ class UniversalReader:
             )
             self.shapes = {name: list(m["shape"]) for name, m in self.meta["params"].items()}
             grid = self.meta.get("grid")
-            if isinstance(grid, dict):  # format 3's rule (universal._grid_rule)
+            if isinstance(grid, dict):  # format 3's rule (index.py)
                 replicas = int(self.meta["replicas"])
                 grid = [_TpInner(t, self.saved_tp, replicas) for t in range(self.saved_tp)]
             self.grid = grid

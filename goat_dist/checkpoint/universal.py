@@ -55,10 +55,10 @@ from . import tensor_file
 from .digests import any_rank, gather, raise_everywhere, reduce
 from .errors import CheckpointError
 from .exchange import Exchange
-from .index import FORMAT, write_index, write_rules
+from .index import FORMAT, INDEX, file_name, write_index, write_rules
 from .index import agree as agree_rules
 from .index import share as _share
-from .slices import INDEX, META, UniversalReader, file_name, tensor_key
+from .slices import META, UniversalReader, tensor_key
 
 __all__ = [
     "FORMAT",

@@ -297,8 +297,8 @@ def test_a_corrupt_file_stops_only_its_readers_and_is_named(tmp_path):
 def test_a_format_2_index_listing_files_grid_and_pieces_reads_the_same(tmp_path):
     """The index of the release before (format 2: file names, grid and ZeRO-1/2's pieces listed, each
     piece as ``[TP rank, start, numel, file]``) reads every range as format 3's rules do: the ``flat``
-    rule expanded (``slices.flat_spans``) is exactly the pieces the ranks wrote."""
-    from goat_dist.checkpoint.slices import flat_spans
+    rule expanded (``index.flat_spans``) is exactly the pieces the ranks wrote."""
+    from goat_dist.checkpoint.index import flat_spans
 
     manifest = write_checkpoint(tmp_path, tp=2, dp=5, cut=flat_group)
     path = tmp_path / "universal" / "index.json"
